@@ -1,0 +1,60 @@
+"""Configuration dataclasses, checked when built so that mistakes surface at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from transformers import AutoConfig, PretrainedConfig
+
+
+@dataclass
+class MultiModalConfig:
+    limit_per_prompt: dict[str, int] = field(default_factory=dict)
+    """User limit on items per prompt, per modality (e.g. ``{"image": 4}``); the model's own limit
+    applies too. Modalities not named here are limited only by the model."""
+
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the HF processor, applied to every request."""
+
+    mm_processor_cache_gb: float = 1.0
+    """Size of the processor-output cache in GiB; 0 disables it."""
+
+    def __post_init__(self) -> None:
+        for modality, limit in self.limit_per_prompt.items():
+            if not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an int >= 0, got {limit!r}")
+        if self.mm_processor_cache_gb < 0:
+            raise ValueError(f"mm_processor_cache_gb must be >= 0, got {self.mm_processor_cache_gb}")
+
+    def get_limit_per_prompt(self, modality: str) -> Optional[int]:
+        return self.limit_per_prompt.get(modality)
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    """A local folder in Hugging Face format (config.json, weights, tokenizer and processor files)."""
+
+    tokenizer: Optional[str] = None
+    """Folder of the tokenizer, if not the model folder."""
+
+    trust_remote_code: bool = False
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
+    hf_config: PretrainedConfig = field(init=False)
+
+    def __post_init__(self) -> None:
+        folder = Path(self.model)
+        if not (folder / "config.json").is_file():
+            raise ValueError(
+                f"Model folder {self.model!r} has no config.json; pass a local folder in Hugging Face "
+                "format (config.json + *.safetensors + tokenizer/processor files)."
+            )
+        self.model = str(folder)
+        self.tokenizer = self.tokenizer or self.model
+        self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(getattr(self.hf_config, "architectures", None) or [])

@@ -1,0 +1,34 @@
+"""Interfaces that model classes declare, as in vLLM's `model_executor.models.interfaces`."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional, Union
+
+import torch
+from torch import nn
+
+MultiModalEmbeddings = Union[torch.Tensor, list[torch.Tensor], tuple[torch.Tensor, ...]]
+"""A (num_items, feature_size, hidden) tensor or one (feature_size, hidden) tensor per item."""
+
+
+class SupportsMultiModal:
+    """A model that takes multimodal inputs: embeds them and merges them into the text embeddings."""
+
+    supports_multimodal: ClassVar[Literal[True]] = True
+
+    def get_multimodal_embeddings(self, **kwargs: object) -> Optional[MultiModalEmbeddings]:
+        """Embeddings of the items in `kwargs` (the processor's mm_kwargs); item i at index i."""
+        raise NotImplementedError
+
+    def get_input_embeddings(
+        self, input_ids: torch.Tensor, multimodal_embeddings: Optional[MultiModalEmbeddings] = None
+    ) -> torch.Tensor:
+        """Text embeddings of `input_ids` with the item embeddings placed at their placeholders."""
+        raise NotImplementedError
+
+    def get_language_model(self) -> nn.Module:
+        raise NotImplementedError
+
+
+def supports_multimodal(model: Union[type, object]) -> bool:
+    return getattr(model, "supports_multimodal", False) is True

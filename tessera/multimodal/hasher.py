@@ -1,0 +1,57 @@
+"""Content hashes of multimodal items: equal pixels (and kwargs) give equal hashes.
+
+Used as keys of the processor-output cache and, later, of prefix-cache blocks, so every value
+that changes the processed output must enter the hash: the image's mode, shape, dtype and bytes,
+the model, and the processor kwargs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+class MultiModalHasher:
+    @classmethod
+    def hash_kwargs(cls, **kwargs: object) -> str:
+        """Hash keyword values; key order does not matter."""
+        hasher = hashlib.blake2b(digest_size=32)
+        for key in sorted(kwargs):
+            hasher.update(key.encode())
+            for chunk in cls._serialize(kwargs[key]):
+                hasher.update(chunk)
+        return hasher.hexdigest()
+
+    @classmethod
+    def _serialize(cls, obj: object) -> Iterable[bytes | memoryview]:
+        # Each value is prefixed by its kind so that, e.g., the string "1" and the int 1 differ.
+        if isinstance(obj, Image.Image):
+            array = np.asarray(obj)
+            yield f"<image {obj.mode} {obj.size}>".encode()
+            yield from cls._serialize(array)
+        elif isinstance(obj, torch.Tensor):
+            tensor = obj.detach().cpu().contiguous()
+            yield f"<tensor {tensor.dtype} {tuple(tensor.shape)}>".encode()
+            # view as bytes so dtypes numpy lacks (bfloat16) hash too
+            yield memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
+        elif isinstance(obj, np.ndarray):
+            array = np.ascontiguousarray(obj)
+            yield f"<ndarray {array.dtype.str} {array.shape}>".encode()
+            yield memoryview(array).cast("B") if array.size else b""
+        elif isinstance(obj, Mapping):
+            yield f"<dict {len(obj)}>".encode()
+            for key in sorted(obj, key=repr):
+                yield from cls._serialize(key)
+                yield from cls._serialize(obj[key])
+        elif isinstance(obj, (list, tuple)):
+            yield f"<{type(obj).__name__} {len(obj)}>".encode()
+            for item in obj:
+                yield from cls._serialize(item)
+        elif obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+            yield f"<{type(obj).__name__} {obj!r}>".encode()
+        else:
+            raise TypeError(f"Cannot hash a {type(obj).__name__} for the multimodal cache")

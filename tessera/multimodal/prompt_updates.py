@@ -1,0 +1,176 @@
+"""Prompt updates: the declarative description of what an HF processor does to the prompt.
+
+A model author says "each image replaces one `<image>` with N image tokens"
+(`PromptReplacement`) or "each image inserts its tokens after X" (`PromptInsertion`). The
+processor uses it to find placeholders that the HF processor already expanded, and to expand
+them itself when the HF processor was bypassed (token prompts, cached items).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from functools import cached_property
+from typing import Any, Generic, Optional, TypeVar, Union
+
+import torch
+from cachetools import LRUCache
+
+_S = TypeVar("_S", str, list[int])
+PromptSeq = Union[str, list[int]]
+
+
+class TokenCodec:
+    """Encodes/decodes prompt pieces without special tokens, memoising the repeated targets."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._encoded: LRUCache[str, list[int]] = LRUCache(maxsize=4096)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = self._encoded[text] = self.tokenizer.encode(text, add_special_tokens=False)
+        return list(ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+class BoundPromptSequence:
+    """A text or token sequence that can be read in either form."""
+
+    def __init__(self, codec: TokenCodec, seq: PromptSeq) -> None:
+        self.codec = codec
+        self.tokenizer = codec.tokenizer
+        self._seq = seq
+
+    @cached_property
+    def text(self) -> str:
+        return self._seq if isinstance(self._seq, str) else self.codec.decode(self._seq)
+
+    @cached_property
+    def token_ids(self) -> list[int]:
+        return self.codec.encode(self._seq) if isinstance(self._seq, str) else list(self._seq)
+
+
+@dataclass
+class PromptIndex:
+    """A position in the prompt, computed from the prompt (text or token ids)."""
+
+    get_match_index: Callable[[Any, PromptSeq], Optional[int]]
+
+
+class PromptIndexTargets:
+    @staticmethod
+    def start() -> PromptIndex:
+        """The start of the prompt."""
+        return PromptIndex(lambda tokenizer, prompt: 0)
+
+    @staticmethod
+    def prefix(seq: PromptSeq) -> PromptIndex:
+        """Right after `seq`, if the prompt starts with it."""
+
+        def get_match_index(tokenizer: Any, prompt: PromptSeq) -> Optional[int]:
+            bound = BoundPromptSequence(TokenCodec(tokenizer), seq)
+            prefix = bound.text if isinstance(prompt, str) else bound.token_ids
+            return len(prefix) if prompt[: len(prefix)] == prefix else None
+
+        return PromptIndex(get_match_index)
+
+    @staticmethod
+    def end() -> PromptIndex:
+        """The end of the prompt."""
+        return PromptIndex(lambda tokenizer, prompt: len(prompt))
+
+
+PromptTarget = Union[PromptSeq, PromptIndex]
+
+
+@dataclass
+class PromptUpdateDetails(Generic[_S]):
+    """The tokens of an update (`full`) and which of them receive the item's embeddings."""
+
+    full: _S
+    is_embed: Optional[Callable[[BoundPromptSequence], torch.Tensor]] = None
+    """Maps the bound `full` sequence to a boolean mask; None: every token is an embedding."""
+
+    @staticmethod
+    def from_seq(seq: _S) -> "PromptUpdateDetails[_S]":
+        return PromptUpdateDetails(full=seq)
+
+    @staticmethod
+    def select_text(seq: _S, embed_text: str) -> "PromptUpdateDetails[_S]":
+        """Only the tokens of `embed_text` receive embeddings."""
+
+        def is_embed(full: BoundPromptSequence) -> torch.Tensor:
+            embed_ids = full.codec.encode(embed_text)
+            return torch.isin(torch.tensor(full.token_ids), torch.tensor(embed_ids))
+
+        return PromptUpdateDetails(full=seq, is_embed=is_embed)
+
+    @staticmethod
+    def select_token_id(seq: _S, embed_token_id: int) -> "PromptUpdateDetails[_S]":
+        """Only the tokens equal to `embed_token_id` receive embeddings."""
+        return PromptUpdateDetails(full=seq, is_embed=lambda full: torch.tensor(full.token_ids) == embed_token_id)
+
+
+PromptUpdateInfo = Union[PromptSeq, PromptUpdateDetails]
+PromptUpdateContent = Union[Callable[[int], PromptUpdateInfo], PromptUpdateInfo]
+
+
+class UpdateMode(str, Enum):
+    INSERT = "insert"
+    REPLACE = "replace"
+
+
+@dataclass
+class PromptUpdate(ABC):
+    """Base of `PromptInsertion` and `PromptReplacement`."""
+
+    modality: str
+    target: PromptTarget
+
+    @property
+    @abstractmethod
+    def content(self) -> PromptUpdateContent: ...
+
+    @property
+    @abstractmethod
+    def mode(self) -> UpdateMode: ...
+
+    def resolve(self, item_idx: int) -> PromptUpdateDetails:
+        content = self.content(item_idx) if callable(self.content) else self.content
+        return content if isinstance(content, PromptUpdateDetails) else PromptUpdateDetails.from_seq(content)
+
+
+@dataclass
+class PromptInsertion(PromptUpdate):
+    """Each item inserts `insertion` right after its match of `target` (which stays)."""
+
+    insertion: PromptUpdateContent = ""
+
+    @property
+    def content(self) -> PromptUpdateContent:
+        return self.insertion
+
+    @property
+    def mode(self) -> UpdateMode:
+        return UpdateMode.INSERT
+
+
+@dataclass
+class PromptReplacement(PromptUpdate):
+    """Each item replaces its match of `target` with `replacement`."""
+
+    replacement: PromptUpdateContent = ""
+
+    @property
+    def content(self) -> PromptUpdateContent:
+        return self.replacement
+
+    @property
+    def mode(self) -> UpdateMode:
+        return UpdateMode.REPLACE
