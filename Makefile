@@ -1,0 +1,27 @@
+# Quick start: `make demo` (set up and run the demo), `make test` (set up and run the tests).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+# torch and transformers are pinned through constraints.txt (an unpinned torch pulls CUDA wheels).
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) examples/process_image_prompt.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_processor.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache *.egg-info
