@@ -40,7 +40,7 @@ class ProcessingCache:
     @classmethod
     def from_gb(cls, gb: float) -> Optional["ProcessingCache"]:
         """A cache of `gb` GiB, or None when `gb` is 0 (caching disabled)."""
-        if gb < 0:
+        if not gb >= 0:  # also rejects NaN
             raise ValueError(f"mm_processor_cache_gb must be >= 0, got {gb}")
         return cls(int(gb * GiB)) if gb > 0 else None
 

@@ -7,11 +7,11 @@ the model, and the processor kwargs.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
+from blake3 import blake3
 from PIL import Image
 
 
@@ -19,7 +19,7 @@ class MultiModalHasher:
     @classmethod
     def hash_kwargs(cls, **kwargs: object) -> str:
         """Hash keyword values; key order does not matter."""
-        hasher = hashlib.blake2b(digest_size=32)
+        hasher = blake3()
         for key in sorted(kwargs):
             hasher.update(key.encode())
             for chunk in cls._serialize(kwargs[key]):
@@ -30,15 +30,18 @@ class MultiModalHasher:
     def _serialize(cls, obj: object) -> Iterable[bytes | memoryview]:
         # Each value is prefixed by its kind so that, e.g., the string "1" and the int 1 differ.
         if isinstance(obj, Image.Image):
-            array = np.asarray(obj)
             yield f"<image {obj.mode} {obj.size}>".encode()
-            yield from cls._serialize(array)
+            if obj.palette is not None:  # palette images: equal indices with other colours differ
+                yield from cls._serialize(obj.getpalette())
+            yield obj.tobytes()
         elif isinstance(obj, torch.Tensor):
             tensor = obj.detach().cpu().contiguous()
             yield f"<tensor {tensor.dtype} {tuple(tensor.shape)}>".encode()
             # view as bytes so dtypes numpy lacks (bfloat16) hash too
             yield memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else b""
         elif isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:  # raw bytes would be pointers, not values
+                raise TypeError("Cannot hash a numpy array of Python objects for the multimodal cache")
             array = np.ascontiguousarray(obj)
             yield f"<ndarray {array.dtype.str} {array.shape}>".encode()
             yield memoryview(array).cast("B") if array.size else b""
@@ -51,6 +54,8 @@ class MultiModalHasher:
             yield f"<{type(obj).__name__} {len(obj)}>".encode()
             for item in obj:
                 yield from cls._serialize(item)
+        elif isinstance(obj, np.generic):
+            yield from cls._serialize(obj.item())
         elif obj is None or isinstance(obj, (bool, int, float, str, bytes)):
             yield f"<{type(obj).__name__} {obj!r}>".encode()
         else:

@@ -94,11 +94,13 @@ def nested_tensors_nbytes(data: NestedTensors) -> int:
 
 def _stack_or_list(tensors: list[torch.Tensor], cat_dim: Optional[int] = None) -> NestedTensors:
     """Stack (or concatenate along `cat_dim`) when the shapes allow it, else keep a list."""
-    if cat_dim is None:
-        if all(isinstance(t, torch.Tensor) for t in tensors) and len({t.shape for t in tensors}) == 1:
-            return torch.stack(tensors)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        if cat_dim is not None:  # flat items sliced from a list: join the lists
+            return [x for t in tensors for x in t]
         return list(tensors)
-    other_dims = {t.shape[:cat_dim] + t.shape[cat_dim + 1 :] for t in tensors}
+    if cat_dim is None:
+        return torch.stack(tensors) if len({t.shape for t in tensors}) == 1 else list(tensors)
+    other_dims = {t.shape[: cat_dim % t.ndim] + t.shape[cat_dim % t.ndim + 1 :] for t in tensors}
     if len(other_dims) == 1:
         return torch.cat(tensors, dim=cat_dim)
     return list(tensors)
@@ -133,7 +135,7 @@ class MultiModalFlatField(BaseMultiModalField):
 
     def build_elems(self, modality, key, data):
         if isinstance(data, torch.Tensor):
-            index = [slice(None)] * self.dim
+            index = [slice(None)] * (self.dim % data.ndim)
             return [MultiModalFieldElem(modality, key, data[(*index, s)], self) for s in self.slices]
         return [MultiModalFieldElem(modality, key, data[s], self) for s in self.slices]
 
@@ -206,14 +208,22 @@ class MultiModalKwargsItem(UserDict[str, MultiModalFieldElem]):
         return sum(nested_tensors_nbytes(elem.data) for elem in self.data.values())
 
 
-class MultiModalKwargs(UserDict[str, NestedTensors]):
-    """Keyword inputs for the model (key -> batched tensor), remembering the items they came from."""
+class MultiModalKwargs(Mapping[str, NestedTensors]):
+    """Keyword inputs for the model (key -> batched tensor), remembering the items they came from.
 
-    def __init__(self, data: Mapping[str, NestedTensors], *, items: Sequence[MultiModalKwargsItem] = ()) -> None:
-        super().__init__(data)
+    Built from items, a key is batched on first access only: the engine batches items of many
+    requests at once, so batching each request's items on its own would be wasted copying.
+    """
+
+    def __init__(self, data: Mapping[str, NestedTensors] = {}, *, items: Sequence[MultiModalKwargsItem] = ()) -> None:
+        self._data: dict[str, NestedTensors] = dict(data)
+        self._elems_by_key: dict[str, list[MultiModalFieldElem]] = defaultdict(list)
         self._items_by_modality: dict[str, list[MultiModalKwargsItem]] = defaultdict(list)
         for item in items:
             self._items_by_modality[item.modality].append(item)
+            if not data:
+                for key, elem in item.items():
+                    self._elems_by_key[key].append(elem)
 
     @staticmethod
     def from_hf_inputs(
@@ -237,13 +247,30 @@ class MultiModalKwargs(UserDict[str, NestedTensors]):
 
     @staticmethod
     def from_items(items: Sequence[MultiModalKwargsItem]) -> "MultiModalKwargs":
-        """Reduce items (in the given order) back into batched model inputs."""
-        elems_by_key: dict[str, list[MultiModalFieldElem]] = defaultdict(list)
-        for item in items:
-            for key, elem in item.items():
-                elems_by_key[key].append(elem)
-        data = {key: elems[0].field.reduce_data(elems) for key, elems in elems_by_key.items()}
-        return MultiModalKwargs(data, items=items)
+        """Model inputs made of these items, in this order (across requests too)."""
+        return MultiModalKwargs(items=items)
+
+    def __getitem__(self, key: str) -> NestedTensors:
+        if key not in self._data:
+            elems = self._elems_by_key[key] if key in self._elems_by_key else None
+            if elems is None:
+                raise KeyError(key)
+            self._data[key] = elems[0].field.reduce_data(elems)
+        return self._data[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data or key in self._elems_by_key
+
+    def __iter__(self):
+        # item keys first: reading a key (which fills _data) must not reorder the keys
+        return iter(dict.fromkeys([*self._elems_by_key, *self._data]))
+
+    def __len__(self) -> int:
+        return len(set(self._data) | set(self._elems_by_key))
+
+    def __repr__(self) -> str:
+        counts = {m: len(items) for m, items in self._items_by_modality.items()}
+        return f"MultiModalKwargs(keys={list(self)}, items={counts})"
 
     @property
     def modalities(self) -> list[str]:
@@ -262,7 +289,7 @@ class MultiModalKwargs(UserDict[str, NestedTensors]):
         if not isinstance(other, MultiModalKwargs):
             return NotImplemented
         return (
-            self.keys() == other.keys()
+            set(self) == set(other)
             and all(nested_tensors_equal(self[k], other[k]) for k in self)
             and dict(self._items_by_modality) == dict(other._items_by_modality)
         )

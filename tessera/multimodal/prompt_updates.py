@@ -36,6 +36,9 @@ class TokenCodec:
         return list(ids)
 
     def decode(self, token_ids: list[int]) -> str:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # fast tokenizer: skip transformers' per-token Python checks
+            return backend.decode(token_ids, skip_special_tokens=False)
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
