@@ -6,7 +6,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from transformers import AutoConfig, PretrainedConfig
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+def parse_dtype(value: "str | torch.dtype", what: str = "dtype") -> torch.dtype:
+    if isinstance(value, torch.dtype) and value in _DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    raise ValueError(f"Unsupported {what} {value!r}; use float32, bfloat16 or float16.")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
@@ -42,6 +61,24 @@ class ModelConfig:
 
     trust_remote_code: bool = False
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
+
+    dtype: "str | torch.dtype" = "auto"
+    """Language model dtype; "auto" takes config.json's torch_dtype (float32 if absent)."""
+
+    device: Optional[str] = None
+    """Device of the language model; None: cuda if available, else cpu."""
+
+    vision_dtype: "Optional[str | torch.dtype]" = None
+    """Dtype of the vision tower; None: the language model's."""
+
+    vision_device: Optional[str] = None
+    projector_dtype: "Optional[str | torch.dtype]" = None
+    """Dtype of the multimodal projector; None: the language model's."""
+
+    projector_device: Optional[str] = None
+    allow_pickle: bool = False
+    """Load .bin/.pt weights (pickle, which can run code) when there are no .safetensors."""
+
     hf_config: PretrainedConfig = field(init=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +91,14 @@ class ModelConfig:
         self.model = str(folder)
         self.tokenizer = self.tokenizer or self.model
         self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+        if self.dtype == "auto":
+            self.dtype = getattr(self.hf_config, "torch_dtype", None) or torch.float32
+        self.dtype = parse_dtype(self.dtype)
+        self.vision_dtype = parse_dtype(self.vision_dtype or self.dtype, "vision_dtype")
+        self.projector_dtype = parse_dtype(self.projector_dtype or self.dtype, "projector_dtype")
+        self.device = self.device or default_device()
+        self.vision_device = self.vision_device or self.device
+        self.projector_device = self.projector_device or self.device
 
     @property
     def architectures(self) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar, Literal, Optional, Union
 
 import torch
@@ -16,14 +17,24 @@ class SupportsMultiModal:
 
     supports_multimodal: ClassVar[Literal[True]] = True
 
+    multimodal_parts: ClassVar[Mapping[str, str]] = {}
+    """Attribute names of the parts that may get their own dtype and device, under the keys
+    "vision" (the vision tower) and "projector"."""
+
     def get_multimodal_embeddings(self, **kwargs: object) -> Optional[MultiModalEmbeddings]:
         """Embeddings of the items in `kwargs` (the processor's mm_kwargs); item i at index i."""
         raise NotImplementedError
 
     def get_input_embeddings(
-        self, input_ids: torch.Tensor, multimodal_embeddings: Optional[MultiModalEmbeddings] = None
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings: Optional[MultiModalEmbeddings] = None,
+        *,
+        is_multimodal: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Text embeddings of `input_ids` with the item embeddings placed at their placeholders."""
+        """Text embeddings of `input_ids` with the item embeddings placed at their placeholders:
+        where `is_multimodal` [T] is True if given (from the placeholders' is_embed), else at the
+        model's placeholder token id."""
         raise NotImplementedError
 
     def get_language_model(self) -> nn.Module:

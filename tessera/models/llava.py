@@ -9,10 +9,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
+import torch
 from torch import nn
 from transformers import BatchFeature, LlavaConfig, LlavaProcessor
 
-from tessera.models.interfaces import SupportsMultiModal
+from tessera.layers.activations import get_activation
+from tessera.models.clip import CLIPVisionModel
+from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
+from tessera.models.llama import LlamaForCausalLM
+from tessera.models.utils import (
+    merge_multimodal_embeddings,
+    merge_multimodal_embeddings_by_mask,
+    module_dtype_device,
+)
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from tessera.multimodal.parse import ImageEmbeddingItems, ImageProcessorItems, ImageSize, MultiModalDataItems
@@ -94,8 +103,95 @@ class LlavaMultiModalProcessor(BaseMultiModalProcessor[LlavaProcessingInfo]):
         return [PromptReplacement(modality="image", target=[image_token_id], replacement=get_replacement)]
 
 
+class LlavaMultiModalProjector(nn.Module):
+    def __init__(self, config: LlavaConfig, num_feature_layers: int) -> None:
+        super().__init__()
+        bias = getattr(config, "multimodal_projector_bias", True)
+        vision_hidden = config.vision_config.hidden_size * num_feature_layers
+        self.linear_1 = nn.Linear(vision_hidden, config.text_config.hidden_size, bias=bias)
+        self.act = get_activation(config.projector_hidden_act)
+        self.linear_2 = nn.Linear(config.text_config.hidden_size, config.text_config.hidden_size, bias=bias)
+
+    def forward(self, image_features: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(image_features)))
+
+
 @MULTIMODAL_REGISTRY.register_processor(
     LlavaMultiModalProcessor, info=LlavaProcessingInfo, dummy_inputs=LlavaDummyInputsBuilder
 )
 class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
-    """Registered so that its processor can be found; model execution comes with the model code."""
+    multimodal_parts = {"vision": "vision_tower", "projector": "multi_modal_projector"}
+
+    def __init__(self, config: LlavaConfig) -> None:
+        super().__init__()
+        self.config = config
+        layers = config.vision_feature_layer
+        self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
+        if config.vision_feature_select_strategy not in ("default", "full"):
+            raise ValueError(
+                f"Unexpected vision_feature_select_strategy {config.vision_feature_select_strategy!r}; "
+                "expected 'default' or 'full'."
+            )
+        if config.vision_config.model_type != "clip_vision_model":
+            raise ValueError(f"Unsupported LLaVA vision tower {config.vision_config.model_type!r}; supported: CLIP")
+        if config.text_config.model_type != "llama":
+            raise ValueError(f"Unsupported LLaVA language model {config.text_config.model_type!r}; supported: llama")
+        self.vision_tower = CLIPVisionModel(config.vision_config)
+        self.multi_modal_projector = LlavaMultiModalProjector(config, len(self.feature_layers))
+        self.language_model = LlamaForCausalLM(config.text_config)
+
+    def get_language_model(self) -> nn.Module:
+        return self.language_model
+
+    def _image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [N, C, H, W] -> projected features [N, num_image_tokens, hidden]."""
+        dtype, device = module_dtype_device(self.vision_tower)
+        states = self.vision_tower(pixel_values.to(device=device, dtype=dtype), self.feature_layers)
+        if self.config.vision_feature_select_strategy == "default":
+            states = [s[:, 1:] for s in states]  # drop CLS
+        features = torch.cat(states, dim=-1)
+        dtype, device = module_dtype_device(self.multi_modal_projector)
+        return self.multi_modal_projector(features.to(device=device, dtype=dtype))
+
+    def get_multimodal_embeddings(self, **kwargs: object) -> Optional[MultiModalEmbeddings]:
+        pixel_values, image_embeds = kwargs.get("pixel_values"), kwargs.get("image_embeds")
+        if image_embeds is not None:
+            return image_embeds  # type: ignore[return-value]
+        if pixel_values is None:
+            return None
+        if isinstance(pixel_values, (list, tuple)):
+            pixel_values = torch.stack(list(pixel_values))
+        if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
+            raise ValueError("pixel_values must be a (num_images, channels, height, width) tensor")
+        return self._image_features(pixel_values)
+
+    def get_input_embeddings(
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings: Optional[MultiModalEmbeddings] = None,
+        *,
+        is_multimodal: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        inputs_embeds = self.language_model.get_input_embeddings(input_ids)
+        if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
+            return inputs_embeds
+        if is_multimodal is not None:
+            return merge_multimodal_embeddings_by_mask(inputs_embeds, multimodal_embeddings, is_multimodal)
+        return merge_multimodal_embeddings(
+            input_ids, inputs_embeds, multimodal_embeddings, placeholder_token_id=self.config.image_token_index
+        )
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        positions: torch.Tensor,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden]; images given as kwargs (e.g. pixel_values) are embedded here."""
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings(input_ids, self.get_multimodal_embeddings(**kwargs))
+        return self.language_model(None, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states)

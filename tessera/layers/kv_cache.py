@@ -1,0 +1,31 @@
+"""Allocating the paged KV cache and binding it to a model's attention layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import PagedAttention
+
+
+def attention_layers(model: nn.Module) -> list[PagedAttention]:
+    return [m for m in model.modules() if isinstance(m, PagedAttention)]
+
+
+def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block costs across all layers (keys and values)."""
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    return sum(2 * block_size * a.num_kv_heads * a.head_dim * element_size for a in attention_layers(model))
+
+
+def allocate_kv_cache(
+    model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> None:
+    """Give every attention layer a cache of `num_blocks` blocks of `block_size` tokens."""
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no PagedAttention layers")
+    for layer in layers:
+        shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)

@@ -1,0 +1,146 @@
+"""Loading a model from a local Hugging Face folder: the class from config.json, weights from
+safetensors (one file or a sharded index), every tensor checked by name and shape.
+
+Pickle checkpoints (.bin/.pt) can run arbitrary code when loaded, so they are refused unless the
+user allows them explicitly; even then they are read with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from ..config import ModelConfig
+from .registry import ModelRegistry
+
+# Tensors some checkpoints carry that no model needs (recomputed buffers).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
+
+# Checkpoints saved by transformers >= 4.52 nest the parts under "model."; map them back.
+HF_PREFIX_RENAMES = {
+    "model.language_model.": "language_model.model.",
+    "model.vision_tower.": "vision_tower.",
+    "model.multi_modal_projector.": "multi_modal_projector.",
+    "model.vision_embed_tokens.": "vision_embed_tokens.",
+    "lm_head.": "language_model.lm_head.",
+}
+
+
+def load_model(model_config: ModelConfig) -> nn.Module:
+    """Build the model class named by config.json and load its weights, parts placed as configured."""
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures)
+    with torch.device("meta"):  # no memory, no random init: every tensor comes from the checkpoint
+        model = model_cls(model_config.hf_config)
+    load_weights(model, model_config.model, allow_pickle=model_config.allow_pickle)
+    place_parts(model, model_config)
+    return model.eval()
+
+
+def place_parts(model: nn.Module, model_config: ModelConfig) -> None:
+    model.to(device=model_config.device, dtype=model_config.dtype)
+    parts = getattr(model, "multimodal_parts", {})
+    for key, dtype, device in (
+        ("vision", model_config.vision_dtype, model_config.vision_device),
+        ("projector", model_config.projector_dtype, model_config.projector_device),
+    ):
+        if key in parts:
+            getattr(model, parts[key]).to(device=device, dtype=dtype)
+
+
+def load_weights(model: nn.Module, folder: str | Path, *, allow_pickle: bool = False) -> None:
+    """Assign every parameter and persistent buffer of `model` from the checkpoint in `folder`."""
+    folder = Path(folder)
+    expected = model.state_dict(keep_vars=True)
+    tied = _tied_names(model)
+    loaded: dict[str, torch.Tensor] = {}
+    unexpected = []
+    for hf_name, tensor in iter_checkpoint(folder, allow_pickle=allow_pickle):
+        name = _rename(hf_name)
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name not in expected:
+            unexpected.append(hf_name)
+            continue
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(
+                f"Weight {hf_name} in {folder} has shape {tuple(tensor.shape)}, but the model expects "
+                f"{tuple(expected[name].shape)}; config.json does not describe these weights."
+            )
+        loaded[name] = tensor
+    for name, group in tied.items():  # e.g. lm_head tied to embed_tokens: one tensor serves all
+        source = next((n for n in group if n in loaded), None)
+        if source is not None:
+            loaded.update({n: loaded[source] for n in group})
+    missing = [name for name in expected if name not in loaded]
+    if missing:
+        raise ValueError(f"Missing weights in {folder}: {_listing(missing)}")
+    if unexpected:
+        raise ValueError(f"Unexpected weights in {folder} that {type(model).__name__} has no place for: {_listing(unexpected)}")
+    model.load_state_dict(loaded, strict=True, assign=True)
+    _retie(model, tied)
+
+
+def iter_checkpoint(folder: Path, *, allow_pickle: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    safetensors_files = _shards(folder, "model.safetensors.index.json", "*.safetensors")
+    if safetensors_files:
+        for file in safetensors_files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    pickle_files = _shards(folder, "pytorch_model.bin.index.json", "*.bin") or sorted(folder.glob("*.pt"))
+    if not pickle_files:
+        raise ValueError(f"No weights in {folder}: expected model.safetensors or a sharded safetensors index.")
+    if not allow_pickle:
+        raise ValueError(
+            f"{folder} has only pickle weights ({pickle_files[0].name}); loading pickle can run arbitrary code. "
+            "Convert them to safetensors, or pass allow_pickle=True if you trust these files."
+        )
+    for file in pickle_files:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def _shards(folder: Path, index_name: str, pattern: str) -> list[Path]:
+    index = folder / index_name
+    if index.is_file():
+        weight_map: Mapping[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index} names shard(s) that are not in the folder: {', '.join(absent)}")
+        return files
+    return sorted(folder.glob(pattern))
+
+
+def _rename(name: str) -> str:
+    for old, new in HF_PREFIX_RENAMES.items():
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def _tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Groups of state-dict names that share one parameter, keyed by the first name."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return {names[0]: names for names in groups.values() if len(names) > 1}
+
+
+def _retie(model: nn.Module, tied: Mapping[str, list[str]]) -> None:
+    """`assign=True` gives each name its own Parameter; make tied names share one again."""
+    for first, group in tied.items():
+        param = model.get_parameter(first)
+        for name in group[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, param)
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -1,0 +1,103 @@
+"""Persimmon decoder (Fuyu's language model). Module names mirror Hugging Face's.
+
+Differences from Llama: fused query_key_value laid out per head as (q, k, v), LayerNorm on q and
+k per head, rotary on the first `partial_rotary_factor` of each head, LayerNorm with bias, and a
+squared-ReLU MLP.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import PersimmonConfig
+
+from tessera.layers.activations import get_activation
+from tessera.layers.attention import PagedAttention
+from tessera.layers.rotary import RotaryEmbedding
+
+
+class PersimmonAttention(nn.Module):
+    def __init__(self, config: PersimmonConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // self.num_heads
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.qk_layernorm = config.qk_layernorm
+        if self.qk_layernorm:
+            self.q_layernorm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
+            self.k_layernorm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim)
+        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale=self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.query_key_value(hidden_states).view(num_tokens, self.num_heads, 3, self.head_dim)
+        q, k, v = qkv.unbind(dim=2)  # each [T, H, D]
+        if self.qk_layernorm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.dense(self.attn(q, k, v.contiguous()).reshape(num_tokens, -1))
+
+
+class PersimmonMLP(nn.Module):
+    def __init__(self, config: PersimmonConfig) -> None:
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = get_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
+
+
+class PersimmonDecoderLayer(nn.Module):
+    def __init__(self, config: PersimmonConfig) -> None:
+        super().__init__()
+        self.self_attn = PersimmonAttention(config)
+        self.mlp = PersimmonMLP(config)
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class PersimmonModel(nn.Module):
+    def __init__(self, config: PersimmonConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(PersimmonDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(
+        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states)
+        return self.final_layernorm(hidden_states)
+
+
+class PersimmonForCausalLM(nn.Module):
+    def __init__(self, config: PersimmonConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = PersimmonModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)

@@ -1,0 +1,50 @@
+"""Helpers shared by model files (as in vLLM's `model_executor.models.utils`)."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from .interfaces import MultiModalEmbeddings
+
+
+def flatten_embeddings(embeddings: MultiModalEmbeddings) -> torch.Tensor:
+    """Item embeddings in item order as one [num_rows, hidden] tensor."""
+    if isinstance(embeddings, torch.Tensor):
+        return embeddings.reshape(-1, embeddings.shape[-1])
+    return torch.cat([e.reshape(-1, e.shape[-1]) for e in embeddings])
+
+
+def merge_multimodal_embeddings(
+    input_ids: torch.Tensor,
+    inputs_embeds: torch.Tensor,
+    multimodal_embeddings: MultiModalEmbeddings,
+    placeholder_token_id: Union[int, list[int]],
+) -> torch.Tensor:
+    """Write the item embeddings, in order, over the positions holding a placeholder token.
+
+    input_ids [T]; inputs_embeds [T, hidden] (updated in place and returned).
+    """
+    ids = torch.as_tensor(placeholder_token_id, device=input_ids.device)
+    return merge_multimodal_embeddings_by_mask(inputs_embeds, multimodal_embeddings, torch.isin(input_ids, ids))
+
+
+def merge_multimodal_embeddings_by_mask(
+    inputs_embeds: torch.Tensor, multimodal_embeddings: MultiModalEmbeddings, is_multimodal: torch.Tensor
+) -> torch.Tensor:
+    """Write the item embeddings, in order, over the positions where `is_multimodal` [T] is True."""
+    flat = flatten_embeddings(multimodal_embeddings)
+    num_placeholders = int(is_multimodal.sum())
+    if flat.shape[0] != num_placeholders:
+        raise ValueError(
+            f"Attempted to assign {flat.shape[0]} multimodal embeddings to {num_placeholders} placeholders"
+        )
+    inputs_embeds[is_multimodal] = flat.to(device=inputs_embeds.device, dtype=inputs_embeds.dtype)
+    return inputs_embeds
+
+
+def module_dtype_device(module: torch.nn.Module) -> tuple[torch.dtype, torch.device]:
+    """Where a model part runs: the dtype and device of its first parameter."""
+    param = next(module.parameters())
+    return param.dtype, param.device

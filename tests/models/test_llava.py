@@ -1,0 +1,128 @@
+"""LLaVA model code against Hugging Face transformers on the tiny checkpoint (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoProcessor
+from transformers import LlavaForConditionalGeneration as HFLlava
+
+from tessera.config import ModelConfig
+from tessera.models.loader import load_model
+from tessera.multimodal import MULTIMODAL_REGISTRY
+from tests.models.runner import Runner, Sequence
+from tests.multimodal.test_processing import LLAVA_PROMPTS, SIZES, random_images
+
+
+@pytest.fixture(scope="module")
+def llava(tiny_llava_dir):
+    hf_model = HFLlava.from_pretrained(tiny_llava_dir, attn_implementation="eager").eval()
+    return (
+        load_model(ModelConfig(str(tiny_llava_dir), device="cpu")),
+        hf_model,
+        MULTIMODAL_REGISTRY.create_processor(tiny_llava_dir),
+        AutoProcessor.from_pretrained(tiny_llava_dir),
+    )
+
+
+def prefill_logits(model, processor, prompt, images):
+    inputs = processor.apply(prompt, {"image": images})
+    return Runner(model).prefill([Sequence(inputs)])[0]
+
+
+@pytest.mark.parametrize("num_images", [0, 1, 3])
+def test_prefill_logits_match_hf(llava, num_images):
+    model, hf_model, processor, hf_processor = llava
+    images = random_images(SIZES[:num_images])
+    prompt = LLAVA_PROMPTS[num_images]
+    with torch.no_grad():
+        expected = hf_model(**hf_processor(text=prompt, images=images or None, return_tensors="pt")).logits[0]
+    torch.testing.assert_close(prefill_logits(model, processor, prompt, images), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("num_images", [0, 1, 3])
+def test_greedy_tokens_match_hf_generate(llava, num_images):
+    model, hf_model, processor, hf_processor = llava
+    images = random_images(SIZES[:num_images], seed=7)
+    prompt = LLAVA_PROMPTS[num_images]
+    hf_inputs = hf_processor(text=prompt, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        hf_out = hf_model.generate(**hf_inputs, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    expected = hf_out[0, hf_inputs["input_ids"].shape[1] :].tolist()
+    assert len(expected) == 16
+    assert Runner(model).greedy(Sequence(processor.apply(prompt, {"image": images})), 16) == expected
+
+
+def test_batch_of_four_equals_each_alone(llava):
+    model, _, processor, _ = llava
+    requests = [
+        ("USER: Hi there, who are you? ASSISTANT:", []),
+        (LLAVA_PROMPTS[1], random_images([(70, 20)], seed=1)),
+        ("USER: <image> and <image>? ASSISTANT:", random_images([(30, 30), (64, 48)], seed=2)),
+        (LLAVA_PROMPTS[3], random_images(SIZES, seed=3)),
+    ]
+    inputs = [processor.apply(prompt, {"image": images}) for prompt, images in requests]
+    together = Runner(model).prefill([Sequence(x) for x in inputs])
+    for x, batched in zip(inputs, together):
+        torch.testing.assert_close(batched, Runner(model).prefill([Sequence(x)])[0], atol=1e-5, rtol=0)
+
+
+def test_paged_decode_equals_recomputing_the_sequence(llava):
+    model, _, processor, _ = llava
+    inputs = processor.apply(LLAVA_PROMPTS[1], {"image": random_images([(40, 40)])})
+    # Block size 3 does not divide the prompt: blocks end mid-placeholder and mid-decode.
+    tokens, decode_logits = Runner(model, block_size=3).greedy_with_logits(Sequence(inputs), 10)
+
+    full = Sequence(inputs)
+    full.token_ids += tokens[:-1]
+    recomputed = Runner(model).prefill([full])[0]
+    prompt_len = len(inputs["prompt_token_ids"])
+    torch.testing.assert_close(decode_logits, recomputed[prompt_len:], atol=1e-5, rtol=0)
+
+
+def test_full_select_strategy_matches_hf(tmp_path):
+    from tests.fixtures import build_tiny_llava
+
+    folder = build_tiny_llava(tmp_path / "full", vision_feature_select_strategy="full")
+    model = load_model(ModelConfig(str(folder), device="cpu"))
+    hf_model = HFLlava.from_pretrained(folder, attn_implementation="eager").eval()
+    images = random_images(SIZES[:2])
+    prompt = "USER: <image><image> Same? ASSISTANT:"
+    with torch.no_grad():
+        expected = hf_model(**AutoProcessor.from_pretrained(folder)(text=prompt, images=images, return_tensors="pt")).logits[0]
+    processor = MULTIMODAL_REGISTRY.create_processor(folder)
+    torch.testing.assert_close(prefill_logits(model, processor, prompt, images), expected, atol=1e-4, rtol=0)
+
+
+def test_feature_layer_list_concatenates_the_layers(tmp_path):
+    """transformers 4.48 has no vision_feature_layer lists, so the reference is HF's CLIP hidden
+    states concatenated and projected by hand (as later transformers and vLLM do)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import CLIPVisionModel as HFCLIPVisionModel
+
+    from tests.fixtures import build_tiny_llava
+
+    layers = [-2, -1]
+    folder = build_tiny_llava(tmp_path / "layers", vision_feature_layer=layers)
+    weights = load_file(folder / "model.safetensors")
+    hidden = weights["multi_modal_projector.linear_2.weight"].shape[0]
+    generator = torch.Generator().manual_seed(0)
+    # The projector of a multi-layer model reads the concatenation: 2x the vision width.
+    weights["multi_modal_projector.linear_1.weight"] = torch.randn(hidden, 2 * 32, generator=generator) * 0.1
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+    model = load_model(ModelConfig(str(folder), device="cpu"))
+    pixel_values = torch.randn(2, 3, 32, 32, generator=generator)
+    with torch.no_grad():
+        ours = model.get_multimodal_embeddings(pixel_values=pixel_values)
+        clip = HFCLIPVisionModel(model.config.vision_config).eval()
+        prefix = "vision_tower."
+        result = clip.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}, strict=False)
+        assert not result.unexpected_keys and set(result.missing_keys) <= {"vision_model.embeddings.position_ids"}
+        states = clip(pixel_values, output_hidden_states=True).hidden_states
+        features = torch.cat([states[i][:, 1:] for i in layers], dim=-1)
+        w = {k.split("multi_modal_projector.")[1]: v for k, v in weights.items() if "projector" in k}
+        expected = torch.nn.functional.gelu(features @ w["linear_1.weight"].T + w["linear_1.bias"])
+        expected = expected @ w["linear_2.weight"].T + w["linear_2.bias"]
+    assert ours.shape == (2, 16, hidden)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
