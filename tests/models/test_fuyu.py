@@ -92,3 +92,12 @@ def test_merging_by_token_id_needs_the_image_token_id(fuyu, tiny_fuyu_dir):
     (placeholder,) = inputs["mm_placeholders"]["image"]
     mask[placeholder.offset : placeholder.offset + placeholder.length] = placeholder.is_embed
     torch.testing.assert_close(by_id, model.get_input_embeddings(ids, embeds, is_multimodal=mask))
+
+
+def test_batch_of_four_equals_each_alone(fuyu):
+    model, _, processor, _ = fuyu
+    requests = [("Hi", None), (PROMPT, (60, 40)), ("Where is the red circle in this picture?", (20, 90)), ("Count.", None)]
+    inputs = [processor.apply(text, {"image": random_images([size])[0] if size else None}) for text, size in requests]
+    together = Runner(model).prefill([Sequence(x) for x in inputs])
+    for x, batched in zip(inputs, together):
+        torch.testing.assert_close(batched, Runner(model).prefill([Sequence(x)])[0], atol=1e-5, rtol=0)

@@ -126,3 +126,17 @@ def test_feature_layer_list_concatenates_the_layers(tmp_path):
         expected = expected @ w["linear_2.weight"].T + w["linear_2.bias"]
     assert ours.shape == (2, 16, hidden)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("part_dtypes", [{"vision_dtype": "bfloat16"}, {"vision_dtype": "bfloat16", "projector_dtype": "float16"}])
+def test_vision_and_projector_run_in_their_own_dtype(llava, tiny_llava_dir, part_dtypes):
+    _, hf_model, processor, hf_processor = llava
+    model = load_model(ModelConfig(str(tiny_llava_dir), device="cpu", **part_dtypes))
+    assert next(model.vision_tower.parameters()).dtype == torch.bfloat16
+    assert next(model.language_model.parameters()).dtype == torch.float32
+    images = random_images(SIZES[:1])
+    with torch.no_grad():
+        expected = hf_model(**hf_processor(text=LLAVA_PROMPTS[1], images=images, return_tensors="pt")).logits[0]
+    ours = prefill_logits(model, processor, LLAVA_PROMPTS[1], images)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, expected, atol=2e-2, rtol=0)  # bf16 vision: ~3 significant digits
