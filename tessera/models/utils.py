@@ -34,12 +34,15 @@ def merge_multimodal_embeddings_by_mask(
     inputs_embeds: torch.Tensor, multimodal_embeddings: MultiModalEmbeddings, is_multimodal: torch.Tensor
 ) -> torch.Tensor:
     """Write the item embeddings, in order, over the positions where `is_multimodal` [T] is True."""
-    flat = flatten_embeddings(multimodal_embeddings)
+    if is_multimodal.dtype != torch.bool:  # an int mask would index rows instead of selecting them
+        raise TypeError(f"is_multimodal must be a bool mask, got {is_multimodal.dtype}")
+    num_rows = sum(e.reshape(-1, e.shape[-1]).shape[0] for e in multimodal_embeddings)
     num_placeholders = int(is_multimodal.sum())
-    if flat.shape[0] != num_placeholders:
-        raise ValueError(
-            f"Attempted to assign {flat.shape[0]} multimodal embeddings to {num_placeholders} placeholders"
-        )
+    if num_rows != num_placeholders:
+        raise ValueError(f"Attempted to assign {num_rows} multimodal embeddings to {num_placeholders} placeholders")
+    if num_rows == 0:
+        return inputs_embeds
+    flat = flatten_embeddings(multimodal_embeddings)
     inputs_embeds[is_multimodal] = flat.to(device=inputs_embeds.device, dtype=inputs_embeds.dtype)
     return inputs_embeds
 
