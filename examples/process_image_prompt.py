@@ -7,8 +7,8 @@ draws a picture, and prints the prompt tokens with the image placeholder ranges.
 from __future__ import annotations
 
 import sys
-from itertools import groupby
 import tempfile
+from itertools import groupby
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -43,8 +43,10 @@ def show(folder: Path) -> None:
     print(f"tokens:  {len(out['prompt_token_ids'])}")
     for modality, ranges in out["mm_placeholders"].items():
         for i, r in enumerate(ranges):
-            print(f"{modality} {i}: placeholder tokens [{r.offset}, {r.offset + r.length}), "
-                  f"{r.get_num_embeds()} embeddings, hash {out['mm_hashes'][modality][i][:16]}")
+            print(
+                f"{modality} {i}: placeholder tokens [{r.offset}, {r.offset + r.length}), "
+                f"{r.get_num_embeds()} embeddings, hash {out['mm_hashes'][modality][i][:16]}"
+            )
     print("prompt tokens (runs of a repeated token shown as token x count):")
     pieces = []
     for token_id, run in groupby(out["prompt_token_ids"]):

@@ -35,9 +35,7 @@ class RotaryEmbedding(nn.Module):
             self._inv_freq = inv_freq.float()
         return self._inv_freq
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, H, D], k [T, Hkv, D] -> rotated q, k (same shapes)."""
         inv_freq = self._frequencies(q.device)
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]

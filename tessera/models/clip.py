@@ -46,8 +46,10 @@ class CLIPAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, length, _ = x.shape
-        q, k, v = (proj(x).view(n, length, self.num_heads, self.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))  # [N, H, L, D]
+        q, k, v = (
+            proj(x).view(n, length, self.num_heads, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )  # [N, H, L, D]
         out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
         return self.out_proj(out.transpose(1, 2).reshape(n, length, -1))
 

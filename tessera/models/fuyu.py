@@ -17,11 +17,7 @@ from transformers import BatchFeature, FuyuConfig, FuyuImageProcessor, FuyuProce
 
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
 from tessera.models.persimmon import PersimmonForCausalLM
-from tessera.models.utils import (
-    merge_multimodal_embeddings,
-    merge_multimodal_embeddings_by_mask,
-    module_dtype_device,
-)
+from tessera.models.utils import module_dtype_device
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from tessera.multimodal.parse import ImageProcessorItems, ImageSize, MultiModalDataItems
@@ -149,9 +145,9 @@ class FuyuForCausalLM(nn.Module, SupportsMultiModal):
         patch_dim = config.patch_size * config.patch_size * config.num_channels
         self.vision_embed_tokens = nn.Linear(patch_dim, config.hidden_size)
         self.language_model = PersimmonForCausalLM(config.text_config)
-        # The |SPEAKER| id is the tokenizer's, not in FuyuConfig 4.48: merging by token id needs it set
-        # (the loader does); the engine merges by the placeholders' is_embed mask instead.
-        self.image_token_id: Optional[int] = getattr(config, "image_token_id", None)
+        # The |SPEAKER| id is the tokenizer's and FuyuConfig 4.48 lacks it: merging by token id needs
+        # it set; the engine merges by the placeholders' is_embed mask instead.
+        self.placeholder_token_id: Optional[int] = getattr(config, "image_token_id", None)
 
     def get_language_model(self) -> nn.Module:
         return self.language_model
@@ -166,22 +162,6 @@ class FuyuForCausalLM(nn.Module, SupportsMultiModal):
         # one (num_patches, hidden) tensor per image: sizes differ between images
         return [self.vision_embed_tokens(p.to(device=device, dtype=dtype)) for p in image_patches]  # type: ignore
 
-    def get_input_embeddings(
-        self,
-        input_ids: torch.Tensor,
-        multimodal_embeddings: Optional[MultiModalEmbeddings] = None,
-        *,
-        is_multimodal: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        inputs_embeds = self.language_model.get_input_embeddings(input_ids)
-        if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
-            return inputs_embeds
-        if is_multimodal is not None:
-            return merge_multimodal_embeddings_by_mask(inputs_embeds, multimodal_embeddings, is_multimodal)
-        if self.image_token_id is None:
-            raise ValueError("FuyuForCausalLM.image_token_id (the |SPEAKER| token id) is not set")
-        return merge_multimodal_embeddings(input_ids, inputs_embeds, multimodal_embeddings, self.image_token_id)
-
     def forward(
         self,
         input_ids: Optional[torch.Tensor],
@@ -193,6 +173,3 @@ class FuyuForCausalLM(nn.Module, SupportsMultiModal):
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings(input_ids, self.get_multimodal_embeddings(**kwargs))
         return self.language_model(None, positions, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)

@@ -33,12 +33,25 @@ class SupportsMultiModal:
         is_multimodal: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Text embeddings of `input_ids` with the item embeddings placed at their placeholders:
-        where `is_multimodal` [T] is True if given (from the placeholders' is_embed), else at the
-        model's placeholder token id."""
-        raise NotImplementedError
+        where `is_multimodal` [T] is True if given (from the placeholders' is_embed), else at
+        `self.placeholder_token_id`. Models may override it, as vLLM's guide shows."""
+        from .utils import merge_multimodal_embeddings, merge_multimodal_embeddings_by_mask
+
+        inputs_embeds = self.get_language_model().get_input_embeddings(input_ids)
+        if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
+            return inputs_embeds
+        if is_multimodal is not None:
+            return merge_multimodal_embeddings_by_mask(inputs_embeds, multimodal_embeddings, is_multimodal)
+        placeholder_token_id = getattr(self, "placeholder_token_id", None)
+        if placeholder_token_id is None:
+            raise ValueError(f"{type(self).__name__}.placeholder_token_id is not set; pass is_multimodal instead")
+        return merge_multimodal_embeddings(input_ids, inputs_embeds, multimodal_embeddings, placeholder_token_id)
 
     def get_language_model(self) -> nn.Module:
         raise NotImplementedError
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.get_language_model().compute_logits(hidden_states)
 
 
 def supports_multimodal(model: Union[type, object]) -> bool:

@@ -16,6 +16,7 @@ from tessera.layers.activations import get_activation
 from tessera.layers.attention import PagedAttention
 from tessera.layers.layernorm import RMSNorm
 from tessera.layers.rotary import RotaryEmbedding
+from tessera.models.causal_lm import CausalLM
 
 
 class LlamaAttention(nn.Module):
@@ -83,23 +84,6 @@ class LlamaModel(nn.Module):
         return self.norm(hidden_states)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        """Hidden states [T, hidden] of the new tokens."""
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        super().__init__(config, LlamaModel(config))

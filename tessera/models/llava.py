@@ -17,11 +17,7 @@ from tessera.layers.activations import get_activation
 from tessera.models.clip import CLIPVisionModel
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
 from tessera.models.llama import LlamaForCausalLM
-from tessera.models.utils import (
-    merge_multimodal_embeddings,
-    merge_multimodal_embeddings_by_mask,
-    module_dtype_device,
-)
+from tessera.models.utils import module_dtype_device
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from tessera.multimodal.parse import ImageEmbeddingItems, ImageProcessorItems, ImageSize, MultiModalDataItems
@@ -139,6 +135,7 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
         self.vision_tower = CLIPVisionModel(config.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(config, len(self.feature_layers))
         self.language_model = LlamaForCausalLM(config.text_config)
+        self.placeholder_token_id = config.image_token_index
 
     def get_language_model(self) -> nn.Module:
         return self.language_model
@@ -165,22 +162,6 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
             raise ValueError("pixel_values must be a (num_images, channels, height, width) tensor")
         return self._image_features(pixel_values)
 
-    def get_input_embeddings(
-        self,
-        input_ids: torch.Tensor,
-        multimodal_embeddings: Optional[MultiModalEmbeddings] = None,
-        *,
-        is_multimodal: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        inputs_embeds = self.language_model.get_input_embeddings(input_ids)
-        if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
-            return inputs_embeds
-        if is_multimodal is not None:
-            return merge_multimodal_embeddings_by_mask(inputs_embeds, multimodal_embeddings, is_multimodal)
-        return merge_multimodal_embeddings(
-            input_ids, inputs_embeds, multimodal_embeddings, placeholder_token_id=self.config.image_token_index
-        )
-
     def forward(
         self,
         input_ids: Optional[torch.Tensor],
@@ -192,6 +173,3 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
         if inputs_embeds is None:
             inputs_embeds = self.get_input_embeddings(input_ids, self.get_multimodal_embeddings(**kwargs))
         return self.language_model(None, positions, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)

@@ -80,7 +80,9 @@ def load_weights(model: nn.Module, folder: str | Path, *, allow_pickle: bool = F
     if missing:
         raise ValueError(f"Missing weights in {folder}: {_listing(missing)}")
     if unexpected:
-        raise ValueError(f"Unexpected weights in {folder} that {type(model).__name__} has no place for: {_listing(unexpected)}")
+        raise ValueError(
+            f"Unexpected weights in {folder} that {type(model).__name__} has no place for: {_listing(unexpected)}"
+        )
     model.load_state_dict(loaded, strict=True, assign=True)
     _retie(model, tied)
 

@@ -16,6 +16,7 @@ from transformers import PersimmonConfig
 from tessera.layers.activations import get_activation
 from tessera.layers.attention import PagedAttention
 from tessera.layers.rotary import RotaryEmbedding
+from tessera.models.causal_lm import CausalLM
 
 
 class PersimmonAttention(nn.Module):
@@ -82,22 +83,6 @@ class PersimmonModel(nn.Module):
         return self.final_layernorm(hidden_states)
 
 
-class PersimmonForCausalLM(nn.Module):
+class PersimmonForCausalLM(CausalLM):
     def __init__(self, config: PersimmonConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = PersimmonModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        super().__init__(config, PersimmonModel(config))

@@ -39,7 +39,9 @@ class InputProcessingContext:
                     **kwargs,
                 )
             if not isinstance(processor, typ):
-                raise TypeError(f"Expected a {typ.__name__} in {self.model_config.model}, found {type(processor).__name__}")
+                raise TypeError(
+                    f"Expected a {typ.__name__} in {self.model_config.model}, found {type(processor).__name__}"
+                )
             self._processors[key] = processor
         return self._processors[key]  # type: ignore[return-value]
 

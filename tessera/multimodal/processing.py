@@ -96,7 +96,9 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
         self.data_parser = self._get_data_parser()
         self._codec = TokenCodec(info.get_tokenizer())
 
-    def __call__(self, prompt: PromptSeq, mm_data: MultiModalDataDict, hf_processor_mm_kwargs: Mapping[str, object] = {}):
+    def __call__(
+        self, prompt: PromptSeq, mm_data: MultiModalDataDict, hf_processor_mm_kwargs: Mapping[str, object] = {}
+    ):
         return self.apply(prompt, mm_data, hf_processor_mm_kwargs)
 
     # ---- what model authors override --------------------------------------------------------

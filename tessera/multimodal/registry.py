@@ -95,5 +95,7 @@ class MultiModalRegistry:
         cache = ProcessingCache.from_gb(model_config.multimodal_config.mm_processor_cache_gb)
         return factories.build_processor(ctx, cache=cache)
 
-    def get_max_tokens_per_item_by_modality(self, processor: BaseMultiModalProcessor, seq_len: int) -> Mapping[str, int]:
+    def get_max_tokens_per_item_by_modality(
+        self, processor: BaseMultiModalProcessor, seq_len: int
+    ) -> Mapping[str, int]:
         return MultiModalProfiler(processor).get_mm_max_tokens_per_item(seq_len)

@@ -29,7 +29,11 @@ def make_layer(num_blocks=32, block_size=4):
 
 def random_qkv(length, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(length, H, D, generator=g), torch.randn(length, HKV, D, generator=g), torch.randn(length, HKV, D, generator=g)
+    return (
+        torch.randn(length, H, D, generator=g),
+        torch.randn(length, HKV, D, generator=g),
+        torch.randn(length, HKV, D, generator=g),
+    )
 
 
 def run(layer, pieces, block_tables, block_size=4):
@@ -72,8 +76,9 @@ def test_chunks_and_decode_tokens_attend_to_the_cached_prefix():
     outs = []
     for start, end in [(0, 5), (5, 8), (8, 11), (11, 12)]:  # chunks, then one decode token
         # a second, unrelated sequence rides along in every step: it must not disturb the first
-        result = run(layer, [(q[start:end], k[start:end], v[start:end], end), (other_q, other_k, other_v, 3)],
-                     [table, [20]])
+        result = run(
+            layer, [(q[start:end], k[start:end], v[start:end], end), (other_q, other_k, other_v, 3)], [table, [20]]
+        )
         outs.append(result[0])
         torch.testing.assert_close(result[1], reference(other_q, other_k, other_v, D**-0.5), atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.cat(outs), expected, atol=1e-5, rtol=0)

@@ -81,13 +81,13 @@ def test_merging_by_token_id_needs_the_image_token_id(fuyu, tiny_fuyu_dir):
     inputs = processor.apply(PROMPT, {"image": random_images([(16, 16)])})
     ids = torch.tensor(inputs["prompt_token_ids"])
     embeds = model.get_multimodal_embeddings(**inputs["mm_kwargs"])
-    with pytest.raises(ValueError, match="image_token_id"):
+    with pytest.raises(ValueError, match="placeholder_token_id"):
         model.get_input_embeddings(ids, embeds)
-    model.image_token_id = processor.info.get_tokenizer().convert_tokens_to_ids("|SPEAKER|")
+    model.placeholder_token_id = processor.info.get_tokenizer().convert_tokens_to_ids("|SPEAKER|")
     try:
         by_id = model.get_input_embeddings(ids, embeds)
     finally:
-        model.image_token_id = None
+        model.placeholder_token_id = None
     mask = torch.zeros(len(ids), dtype=torch.bool)
     (placeholder,) = inputs["mm_placeholders"]["image"]
     mask[placeholder.offset : placeholder.offset + placeholder.length] = placeholder.is_embed
@@ -96,7 +96,12 @@ def test_merging_by_token_id_needs_the_image_token_id(fuyu, tiny_fuyu_dir):
 
 def test_batch_of_four_equals_each_alone(fuyu):
     model, _, processor, _ = fuyu
-    requests = [("Hi", None), (PROMPT, (60, 40)), ("Where is the red circle in this picture?", (20, 90)), ("Count.", None)]
+    requests = [
+        ("Hi", None),
+        (PROMPT, (60, 40)),
+        ("Where is the red circle in this picture?", (20, 90)),
+        ("Count.", None),
+    ]
     inputs = [processor.apply(text, {"image": random_images([size])[0] if size else None}) for text, size in requests]
     together = Runner(model).prefill([Sequence(x) for x in inputs])
     for x, batched in zip(inputs, together):

@@ -89,7 +89,9 @@ def test_full_select_strategy_matches_hf(tmp_path):
     images = random_images(SIZES[:2])
     prompt = "USER: <image><image> Same? ASSISTANT:"
     with torch.no_grad():
-        expected = hf_model(**AutoProcessor.from_pretrained(folder)(text=prompt, images=images, return_tensors="pt")).logits[0]
+        expected = hf_model(
+            **AutoProcessor.from_pretrained(folder)(text=prompt, images=images, return_tensors="pt")
+        ).logits[0]
     processor = MULTIMODAL_REGISTRY.create_processor(folder)
     torch.testing.assert_close(prefill_logits(model, processor, prompt, images), expected, atol=1e-4, rtol=0)
 
@@ -117,7 +119,9 @@ def test_feature_layer_list_concatenates_the_layers(tmp_path):
         ours = model.get_multimodal_embeddings(pixel_values=pixel_values)
         clip = HFCLIPVisionModel(model.config.vision_config).eval()
         prefix = "vision_tower."
-        result = clip.load_state_dict({k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}, strict=False)
+        result = clip.load_state_dict(
+            {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}, strict=False
+        )
         assert not result.unexpected_keys and set(result.missing_keys) <= {"vision_model.embeddings.position_ids"}
         states = clip(pixel_values, output_hidden_states=True).hidden_states
         features = torch.cat([states[i][:, 1:] for i in layers], dim=-1)
@@ -128,7 +132,9 @@ def test_feature_layer_list_concatenates_the_layers(tmp_path):
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("part_dtypes", [{"vision_dtype": "bfloat16"}, {"vision_dtype": "bfloat16", "projector_dtype": "float16"}])
+@pytest.mark.parametrize(
+    "part_dtypes", [{"vision_dtype": "bfloat16"}, {"vision_dtype": "bfloat16", "projector_dtype": "float16"}]
+)
 def test_vision_and_projector_run_in_their_own_dtype(llava, tiny_llava_dir, part_dtypes):
     _, hf_model, processor, hf_processor = llava
     model = load_model(ModelConfig(str(tiny_llava_dir), device="cpu", **part_dtypes))

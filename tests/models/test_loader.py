@@ -238,7 +238,11 @@ def test_tied_word_embeddings_share_one_parameter(llava_folder, dtype):
 
 
 @pytest.mark.parametrize(
-    "buffer", ["language_model.model.layers.0.self_attn.rotary_emb.inv_freq", "vision_tower.vision_model.embeddings.position_ids"]
+    "buffer",
+    [
+        "language_model.model.layers.0.self_attn.rotary_emb.inv_freq",
+        "vision_tower.vision_model.embeddings.position_ids",
+    ],
 )
 def test_recomputed_buffers_in_the_checkpoint_are_ignored(llava_folder, buffer):
     original = read_weights(llava_folder)

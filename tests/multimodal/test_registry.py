@@ -67,7 +67,12 @@ def test_out_of_tree_subclass_inherits_the_processor(tiny_llava_dir, tmp_path):
 
 @pytest.mark.parametrize(
     "fixture, user_limit, expected",
-    [("tiny_llava_dir", None, DEFAULT_MM_LIMIT), ("tiny_llava_dir", 2, 2), ("tiny_fuyu_dir", 5, 1), ("tiny_fuyu_dir", 0, 0)],
+    [
+        ("tiny_llava_dir", None, DEFAULT_MM_LIMIT),
+        ("tiny_llava_dir", 2, 2),
+        ("tiny_fuyu_dir", 5, 1),
+        ("tiny_fuyu_dir", 0, 0),
+    ],
 )
 def test_allowed_limit_is_min_of_model_and_user(request, fixture, user_limit, expected):
     limits = None if user_limit is None else {"image": user_limit}
