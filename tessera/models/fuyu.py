@@ -138,6 +138,12 @@ class FuyuMultiModalProcessor(BaseMultiModalProcessor[FuyuProcessingInfo]):
 )
 class FuyuForCausalLM(nn.Module, SupportsMultiModal):
     multimodal_parts = {"vision": "vision_embed_tokens"}
+    # Checkpoints saved by transformers >= 4.52 nest the parts under "model."; map them back.
+    hf_to_tessera_prefixes = {
+        "model.language_model.": "language_model.model.",
+        "model.vision_embed_tokens.": "vision_embed_tokens.",
+        "lm_head.": "language_model.lm_head.",
+    }
 
     def __init__(self, config: FuyuConfig) -> None:
         super().__init__()

@@ -117,6 +117,13 @@ class LlavaMultiModalProjector(nn.Module):
 )
 class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
     multimodal_parts = {"vision": "vision_tower", "projector": "multi_modal_projector"}
+    # Checkpoints saved by transformers >= 4.52 nest the parts under "model."; map them back.
+    hf_to_tessera_prefixes = {
+        "model.language_model.": "language_model.model.",
+        "model.vision_tower.": "vision_tower.",
+        "model.multi_modal_projector.": "multi_modal_projector.",
+        "lm_head.": "language_model.lm_head.",
+    }
 
     def __init__(self, config: LlavaConfig) -> None:
         super().__init__()

@@ -21,14 +21,6 @@ from .registry import ModelRegistry
 # Tensors some checkpoints carry that no model needs (recomputed buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
 
-# Checkpoints saved by transformers >= 4.52 nest the parts under "model."; map them back.
-HF_PREFIX_RENAMES = {
-    "model.language_model.": "language_model.model.",
-    "model.vision_tower.": "vision_tower.",
-    "model.multi_modal_projector.": "multi_modal_projector.",
-    "model.vision_embed_tokens.": "vision_embed_tokens.",
-    "lm_head.": "language_model.lm_head.",
-}
 
 
 def load_model(model_config: ModelConfig) -> nn.Module:
@@ -60,7 +52,7 @@ def load_weights(model: nn.Module, folder: str | Path, *, allow_pickle: bool = F
     loaded: dict[str, torch.Tensor] = {}
     unexpected = []
     for hf_name, tensor in iter_checkpoint(folder, allow_pickle=allow_pickle):
-        name = _rename(hf_name)
+        name = _rename(hf_name, getattr(model, "hf_to_tessera_prefixes", {}))
         if name.endswith(IGNORED_SUFFIXES):
             continue
         if name not in expected:
@@ -119,8 +111,9 @@ def _shards(folder: Path, index_name: str, pattern: str) -> list[Path]:
     return sorted(folder.glob(pattern))
 
 
-def _rename(name: str) -> str:
-    for old, new in HF_PREFIX_RENAMES.items():
+def _rename(name: str, prefixes: Mapping[str, str]) -> str:
+    """Apply the model's checkpoint-name prefix renames (first match wins)."""
+    for old, new in prefixes.items():
         if name.startswith(old):
             return new + name[len(old) :]
     return name

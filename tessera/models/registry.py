@@ -13,6 +13,8 @@ logger = logging.getLogger(__name__)
 _BUILTIN_MODELS = {
     "LlavaForConditionalGeneration": "tessera.models.llava:LlavaForConditionalGeneration",
     "FuyuForCausalLM": "tessera.models.fuyu:FuyuForCausalLM",
+    "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
+    "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",
 }
 
 
