@@ -22,7 +22,6 @@ from .registry import ModelRegistry
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
 
 
-
 def load_model(model_config: ModelConfig) -> nn.Module:
     """Build the model class named by config.json and load its weights, parts placed as configured."""
     model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures)
