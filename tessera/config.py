@@ -103,3 +103,61 @@ class ModelConfig:
     @property
     def architectures(self) -> list[str]:
         return list(getattr(self.hf_config, "architectures", None) or [])
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_bytes(value: "int | str") -> int:
+    """ "2GiB", "512MiB", "1.5GB" or a number of bytes."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number) :]
+    if unit not in _UNITS or not number:
+        raise ValueError(f"Cannot read {value!r} as a size; write e.g. '2GiB', '512MiB' or a number of bytes.")
+    return int(float(number) * _UNITS[unit])
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+
+    kv_cache_memory: "int | str" = "1GiB"
+    """Memory for the KV cache; the number of blocks follows from it."""
+
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prefixes (tokens and images)."""
+
+    encoder_cache_size: Optional[int] = None
+    """Vision-encoder outputs kept, in embedding rows; None: enough for the largest prompt's items."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prompt chunks + decode tokens)."""
+
+    max_num_seqs: int = 64
+    """Sequences running at once."""
+
+    max_model_len: Optional[int] = None
+    """Longest prompt + output; None: the model's max_position_embeddings."""
+
+    max_num_encoder_input_tokens: Optional[int] = None
+    """Vision-encoder budget of one step, in embedding rows; None: max_num_batched_tokens (or the
+    largest item, if larger)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

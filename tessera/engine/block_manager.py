@@ -1,0 +1,122 @@
+"""Paged KV-cache blocks: ref-counted, handed to requests, reused across identical prefixes.
+
+A full block is identified by a hash chained over its parent's hash, its tokens and the content
+hashes of the images whose placeholders overlap it: two prompts with the same tokens but other
+images never share a block, and a repeated image + prompt finds its blocks again. Freed blocks
+keep their hash and stay reusable until they are evicted, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import numpy as np
+from blake3 import blake3
+
+from .request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"The KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[Optional[bytes]] = [None] * num_blocks
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order
+        self.cached_blocks: dict[bytes, int] = {}  # hash -> block holding it
+        self.req_blocks: dict[str, list[int]] = {}
+        self.req_hashes: dict[str, list[bytes]] = {}  # hashes of each request's full blocks
+        self.prefix_queries = self.prefix_hits = 0  # in tokens
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_of(self, request: Request) -> list[int]:
+        return self.req_blocks.get(request.request_id, [])
+
+    # ---- prefix caching -----------------------------------------------------------------------
+
+    def block_hashes_of(self, request: Request) -> list[bytes]:
+        """Hashes of the request's full blocks, extended as its tokens grow."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * self.block_size <= len(tokens):
+            start = len(hashes) * self.block_size
+            end = start + self.block_size
+            hasher = blake3(hashes[-1] if hashes else b"")
+            hasher.update(np.asarray(tokens[start:end], dtype=np.int64).tobytes())
+            for item in request.items_overlapping(start, end):
+                hasher.update(f"|{item.hash}@{item.start - start}".encode())
+            hashes.append(hasher.digest())
+        return hashes
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks already holding the longest cached prefix of the request. At least one token is
+        left to compute: its logits are needed to sample."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in self.block_hashes_of(request)[:max_blocks]:
+            block = self.cached_blocks.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(blocks) * self.block_size
+        return blocks
+
+    # ---- allocation ---------------------------------------------------------------------------
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: list[int] = ()) -> bool:  # type: ignore[assignment]
+        """Give the request blocks for `num_new_tokens` more tokens (after taking `cached_prefix`);
+        False, changing nothing, when there are not enough free blocks."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        reusable = [b for b in cached_prefix if self.ref_counts[b] == 0]  # counted as free now
+        num_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        needed = -(-num_tokens // self.block_size) - len(blocks) - len(cached_prefix)
+        if needed > self.num_free_blocks - len(reusable):
+            return False
+        for block in cached_prefix:
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+        new_blocks = [self._take_free_block() for _ in range(max(needed, 0))]
+        self.req_blocks[request.request_id] = blocks + list(cached_prefix) + new_blocks
+        return True
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        if self.block_hashes[block] is not None:  # evict its cached content
+            if self.cached_blocks.get(self.block_hashes[block]) == block:
+                del self.cached_blocks[self.block_hashes[block]]
+            self.block_hashes[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the hashes of the request's blocks that are full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_full = request.num_computed_tokens // self.block_size
+        for block, block_hash in zip(blocks[:num_full], self.block_hashes_of(request)[:num_full]):
+            if self.block_hashes[block] is None and block_hash not in self.cached_blocks:
+                self.block_hashes[block] = block_hash
+                self.cached_blocks[block_hash] = block
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; the last blocks of a sequence are evicted first."""
+        for block in reversed(self.req_blocks.pop(request.request_id, [])):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+        self.req_hashes.pop(request.request_id, None)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -1,0 +1,265 @@
+"""The engine: requests in, one scheduled step at a time, outputs out."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+from ..config import CacheConfig, ModelConfig, SchedulerConfig
+from ..layers.kv_cache import kv_cache_bytes_per_block
+from ..models.loader import load_model
+from ..models.registry import ModelRegistry
+from ..multimodal import MULTIMODAL_REGISTRY
+from ..multimodal.context import load_tokenizer
+from ..multimodal.profiling import MultiModalProfiler
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .encoder_cache import EncoderCache
+from .model_runner import ModelRunner
+from .prompt import PromptInputs, process_prompt
+from .request import Request, RequestStatus
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: Optional[CacheConfig] = None,
+        scheduler_config: Optional[SchedulerConfig] = None,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config = cache_config or CacheConfig()
+        self.scheduler_config = scheduler_config = scheduler_config or SchedulerConfig()
+        self.tokenizer = load_tokenizer(model_config)
+        model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures)
+        self.processor = None
+        if MULTIMODAL_REGISTRY.get_factories(model_cls) is not None:
+            self.processor = MULTIMODAL_REGISTRY.create_processor(model_config, tokenizer=self.tokenizer)
+        self.model = load_model(model_config)
+
+        text_config = model_config.hf_config.get_text_config()
+        self.max_model_len = scheduler_config.max_model_len or text_config.max_position_embeddings
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, text_config, model_config.hf_config)
+
+        max_item = 0
+        if self.processor is not None:
+            max_item = max(MultiModalProfiler(self.processor).get_mm_max_tokens_per_item(self.max_model_len).values())
+        self.encoder_budget = max(
+            scheduler_config.max_num_encoder_input_tokens or scheduler_config.max_num_batched_tokens, max_item
+        )
+        encoder_cache = EncoderCache(cache_config.encoder_cache_size or self.encoder_budget)
+
+        block_bytes = kv_cache_bytes_per_block(self.model, cache_config.block_size, model_config.dtype)
+        num_blocks = cache_config.kv_cache_memory // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {cache_config.kv_cache_memory} B holds no block of {block_bytes} B")
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
+            num_blocks, cache_config.block_size, num_blocks * cache_config.block_size, num_blocks * block_bytes / 2**20,
+        )  # fmt: skip
+        self.num_blocks = num_blocks
+        self.block_manager = BlockManager(
+            num_blocks, cache_config.block_size, enable_prefix_caching=cache_config.enable_prefix_caching
+        )
+        self.encoder_cache = encoder_cache
+        self.scheduler = Scheduler(scheduler_config, self.block_manager, encoder_cache, self.encoder_budget)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks=num_blocks,
+            block_size=cache_config.block_size,
+            dtype=model_config.dtype,
+            device=model_config.device,
+        )
+        self.children: dict[str, list[Request]] = {}  # request id -> its n sequences
+        self.prompts: dict[str, PromptInputs] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._profile_run()
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Union[str, Mapping[str, Any], list[int]],
+        params: SamplingParams,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        """Process and queue a prompt. Bad input raises ValueError and leaves the engine as it was."""
+        if request_id in self.children:
+            raise ValueError(f"Request id {request_id!r} is already in use")
+        inputs = process_prompt(self, prompt, params.truncate_prompt_tokens)
+        self._check_fits(inputs, params)
+        max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(inputs.token_ids))
+        arrival_time = arrival_time or time.monotonic()
+        children = []
+        for index in range(params.n):
+            seed = None if params.seed is None else params.seed + index
+            child_params = dataclasses.replace(params, n=1, seed=seed, max_tokens=max_tokens)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            child = Request(
+                child_id,
+                inputs.token_ids,
+                child_params,
+                eos_token_ids=self.eos_token_ids,
+                mm_items=inputs.mm_items,
+                prompt=inputs.prompt,
+                arrival_time=arrival_time,
+                parent_id=request_id,
+                index=index,
+            )
+            self.detokenizers[child_id] = IncrementalDetokenizer(
+                self.tokenizer, child_params.stop, child_params.skip_special_tokens
+            )
+            children.append(child)
+        self.children[request_id] = children
+        self.prompts[request_id] = inputs
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def _check_fits(self, inputs: PromptInputs, params: SamplingParams) -> None:
+        num_tokens = len(inputs.token_ids)
+        if num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"The prompt has {num_tokens} tokens but the model's context is {self.max_model_len}; "
+                "shorten it or set truncate_prompt_tokens."
+            )
+        if num_tokens == 0:
+            raise ValueError("The prompt is empty.")
+        capacity = min(self.encoder_budget, self.encoder_cache.capacity)
+        for item in inputs.mm_items:
+            if item.num_embeds > capacity:
+                raise ValueError(
+                    f"A {item.modality} needs {item.num_embeds} encoder rows but the encoder budget is {capacity}; "
+                    "raise max_num_encoder_input_tokens / encoder_cache_size or send a smaller item."
+                )
+        kv_tokens = self.num_blocks * self.cache_config.block_size
+        needed = min(num_tokens + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if needed > kv_tokens:
+            raise ValueError(
+                f"This request may need {needed} tokens of KV cache but it holds {kv_tokens}; "
+                "raise kv_cache_memory or lower max_tokens."
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        for child in self.children.get(request_id, []):
+            if not child.is_finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- stepping -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests it advanced (finished ones last time)."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("No request could be scheduled; the KV cache is too small for the waiting ones")
+            return []
+        sampled = self.runner.execute(out, self.block_manager, self.encoder_cache)
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        for step in out.scheduled:
+            request = step.request
+            request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
+            request.num_computed_tokens += step.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+            for item in request.mm_items:
+                if item.end <= request.num_computed_tokens:
+                    self.encoder_cache.release_item(item.hash, request.request_id)
+            if request.request_id in sampled:
+                self._append_token(request, *sampled[request.request_id], now)
+                touched[request.parent_id] = None
+        return [self._output(parent_id) for parent_id in touched]
+
+    def _append_token(self, request: Request, token: int, logprobs: Optional[dict[int, float]], now: float) -> None:
+        request.output_token_ids.append(token)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        metrics = request.metrics
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.num_output_tokens = len(request.output_token_ids)
+        params = request.sampling_params
+        stop_string = self.detokenizers[request.request_id].add(token)
+        status = None
+        if not params.ignore_eos and token in request.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif stop_string is not None:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.detokenizers[request.request_id].finish(stopped_by_string=stop_string is not None)
+            metrics.finished_time = now
+            self.scheduler.finish(request, status)
+
+    def _output(self, request_id: str) -> RequestOutput:
+        children = self.children[request_id]
+        inputs = self.prompts[request_id]
+        outputs = [
+            CompletionOutput(
+                index=child.index,
+                text=self.detokenizers[child.request_id].text,
+                token_ids=list(child.output_token_ids),
+                finish_reason=child.status.value if child.is_finished else None,
+                stop_reason=child.stop_reason,
+                logprobs=list(child.output_logprobs) if child.sampling_params.logprobs is not None else None,
+                metrics=child.metrics,
+            )
+            for child in children
+        ]
+        output = RequestOutput(request_id, inputs.prompt, list(inputs.token_ids), outputs)
+        if output.finished:  # the caller gets it now; forget it
+            for child in children:
+                self.detokenizers.pop(child.request_id, None)
+            del self.children[request_id], self.prompts[request_id]
+        return output
+
+    # ---- start-up ---------------------------------------------------------------------------------
+
+    def _profile_run(self) -> None:
+        """Run a worst-case step once (the most items a prompt may carry, each of maximum size), so
+        that a configuration that cannot run fails at start-up; then forget it."""
+        if self.processor is None:
+            return
+        info = self.processor.info
+        max_item = max(MultiModalProfiler(self.processor).get_mm_max_tokens_per_item(self.max_model_len).values())
+        max_tokens = min(self.max_model_len, self.num_blocks * self.cache_config.block_size) - 2
+        counts = {
+            modality: min(limit, max(1, self.encoder_budget // max_item), max(1, max_tokens // max_item))
+            for modality, limit in info.get_allowed_mm_limits().items()
+        }
+        dummy = self.processor.dummy_inputs.get_dummy_processor_inputs(self.max_model_len, counts)
+        start = time.perf_counter()
+        try:
+            self.add_request("__profile__", {"prompt": dummy.prompt_text, "multi_modal_data": dummy.mm_data},
+                             SamplingParams(max_tokens=1, temperature=0.0))  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"The engine cannot run a worst-case prompt with this configuration: {e}") from e
+        while self.has_unfinished_requests():
+            self.step()
+        self.block_manager = BlockManager(
+            self.num_blocks, self.cache_config.block_size, enable_prefix_caching=self.cache_config.enable_prefix_caching
+        )
+        self.encoder_cache = EncoderCache(self.encoder_cache.capacity)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.encoder_cache, self.encoder_budget)
+        logger.info("Profile run with %s: %.2f s", counts, time.perf_counter() - start)
+
+
+def _eos_token_ids(tokenizer: Any, *configs: Any) -> frozenset[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for config in configs:
+        eos = getattr(config, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)

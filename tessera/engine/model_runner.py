@@ -1,0 +1,95 @@
+"""Runs one scheduled step on the model: encoder for new items, merge, decoder, sampler.
+
+Tokens of all scheduled requests are flattened into one batch. For each prompt chunk, the rows
+of the encoder outputs that fall in the chunk (by the placeholders' is_embed masks) replace the
+text embeddings at those positions, so an image split across chunks is encoded once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..layers.attention import AttentionMetadata, attention_metadata
+from ..layers.kv_cache import allocate_kv_cache
+from ..layers.sampler import SamplerOutput, sample
+from ..multimodal.inputs import MultiModalKwargs
+from .block_manager import BlockManager
+from .encoder_cache import EncoderCache
+from .scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self, model: torch.nn.Module, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: str
+    ) -> None:
+        self.model, self.block_size, self.device = model, block_size, device
+        allocate_kv_cache(model, num_blocks, block_size, dtype, device)
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, block_manager: BlockManager, encoder_cache: EncoderCache
+    ) -> dict[str, tuple[int, Optional[dict[int, float]]]]:
+        """Run the step; returns request id -> (sampled token, logprobs) for the requests whose
+        computed tokens reach their end (chunks in the middle of a prompt sample nothing)."""
+        self._encode(out, encoder_cache)
+        ids: list[int] = []
+        positions: list[int] = []
+        is_multimodal, rows, sampling = [], [], []
+        for step in out.scheduled:
+            request, start = step.request, step.request.num_computed_tokens
+            end = start + step.num_new_tokens
+            ids += request.all_token_ids[start:end]
+            positions += range(start, end)
+            mask = torch.zeros(end - start, dtype=torch.bool)
+            for item in request.items_overlapping(start, end):
+                item_mask, item_rows = item.embed_rows(start, end)
+                lo = max(start, item.start) - start
+                mask[lo : lo + len(item_mask)] = item_mask
+                rows.append(encoder_cache.get(item.hash)[item_rows])
+            is_multimodal.append(mask)
+            if end == request.num_tokens:
+                sampling.append((len(ids) - 1, request))
+
+        metadata = AttentionMetadata.build(
+            [s.num_new_tokens for s in out.scheduled],
+            [s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled],
+            [block_manager.blocks_of(s.request) for s in out.scheduled],
+            self.block_size,
+            self.device,
+        )
+        input_ids = torch.tensor(ids, device=self.device)
+        inputs_embeds = self.model.get_input_embeddings(
+            input_ids, rows or None, is_multimodal=torch.cat(is_multimodal).to(self.device)
+        )
+        with attention_metadata(metadata):
+            hidden = self.model(None, torch.tensor(positions, device=self.device), inputs_embeds=inputs_embeds)
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[[row for row, _ in sampling]])  # [num_sampling, vocab]
+        result: SamplerOutput = sample(
+            logits, [r.sampling_params for _, r in sampling], [r.generator for _, r in sampling]
+        )
+        return {
+            request.request_id: (token, logprobs)
+            for (_, request), token, logprobs in zip(sampling, result.token_ids, result.logprobs)
+        }
+
+    def _encode(self, out: SchedulerOutput, encoder_cache: EncoderCache) -> None:
+        """Run the vision encoder once per new item (per modality, all items in one call)."""
+        items = {item.hash: item for step in out.scheduled for item in step.encode}
+        by_modality: dict[str, list] = {}
+        for item in items.values():
+            by_modality.setdefault(item.modality, []).append(item)
+        for group in by_modality.values():
+            kwargs = MultiModalKwargs.from_items([item.kwargs for item in group])
+            embeddings = self.model.get_multimodal_embeddings(**kwargs)
+            for item, item_embeddings in zip(group, embeddings):
+                item_embeddings = item_embeddings.reshape(-1, item_embeddings.shape[-1])
+                if item_embeddings.shape[0] != item.num_embeds:
+                    raise RuntimeError(
+                        f"The encoder gave {item_embeddings.shape[0]} embeddings for a {item.modality} with "
+                        f"{item.num_embeds} placeholder positions"
+                    )
+                encoder_cache.put(item.hash, item_embeddings, out.encoder_users[item.hash])

@@ -1,0 +1,114 @@
+"""One sequence being generated: its tokens, its images, where it stands, how it finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..multimodal.inputs import MultiModalKwargsItem, PlaceholderRange
+from ..outputs import RequestMetrics
+from ..sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class MultiModalItem:
+    """One image (or other item) of a prompt: its processor outputs and where it sits."""
+
+    modality: str
+    hash: str
+    kwargs: MultiModalKwargsItem
+    placeholder: PlaceholderRange
+
+    @property
+    def start(self) -> int:
+        return self.placeholder.offset
+
+    @property
+    def end(self) -> int:
+        return self.placeholder.offset + self.placeholder.length
+
+    @property
+    def num_embeds(self) -> int:
+        return self.placeholder.get_num_embeds()
+
+    def embed_rows(self, start: int, end: int) -> tuple[torch.Tensor, slice]:
+        """For prompt positions [start, end) overlapping this item: the mask of positions that take
+        an embedding, and the slice of the item's embedding rows that they take."""
+        lo, hi = max(start, self.start) - self.start, min(end, self.end) - self.start
+        is_embed = self.placeholder.is_embed
+        if is_embed is None:
+            return torch.ones(hi - lo, dtype=torch.bool), slice(lo, hi)
+        first = int(is_embed[:lo].sum())
+        return is_embed[lo:hi], slice(first, first + int(is_embed[lo:hi].sum()))
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_ids: frozenset[int] = frozenset(),
+        mm_items: list[MultiModalItem] = (),  # type: ignore[assignment]
+        prompt: Optional[str] = None,
+        arrival_time: Optional[float] = None,
+        parent_id: Optional[str] = None,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id or request_id
+        self.index = index  # which of the parent's n outputs this is
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.mm_items = sorted(mm_items, key=lambda item: item.start)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, float]] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[object] = None
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
+        self.generator: Optional[torch.Generator] = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def items_overlapping(self, start: int, end: int) -> list[MultiModalItem]:
+        return [item for item in self.mm_items if item.start < end and item.end > start]
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id}, {self.status.value}, {self.num_computed_tokens}/{self.num_tokens})"

@@ -1,0 +1,154 @@
+"""Continuous batching: which requests run how many tokens in the next step.
+
+Each step has a token budget shared by decode tokens and prompt chunks (chunked prefill), and a
+vision-encoder budget. Running requests go first, in arrival order; waiting ones are admitted
+while budget, sequence slots and KV blocks last. When blocks run out, the most recently admitted
+running request is preempted: its blocks are freed and it is recomputed later (its prefix blocks
+usually still cached), so nothing crashes and nothing is lost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import SchedulerConfig
+from .block_manager import BlockManager
+from .encoder_cache import EncoderCache
+from .request import MultiModalItem, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    encode: list[MultiModalItem] = field(default_factory=list)
+    """Items whose encoder output this step needs and the encoder cache lacks."""
+
+    shared: list[str] = field(default_factory=list)
+    """Hashes of items this request needs that another request encodes this step."""
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    encoder_users: dict[str, set[str]] = field(default_factory=dict)
+    """Item hash -> ids of the requests that need the encoder output computed this step."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, encoder_cache: EncoderCache, encoder_budget: int
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.encoder_cache = encoder_cache
+        self.encoder_budget = encoder_budget
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._rows: dict[str, int] = {}  # embedding rows of items being encoded
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.config.max_num_batched_tokens
+        self._rows.clear()
+        encoding: dict[str, set[str]] = {}  # item hash -> requests needing it, encoded this step
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            step = self._plan(request, request.num_computed_tokens, num_new, encoding)
+            if step is None:
+                i += 1
+                continue
+            while not self.block_manager.allocate(request, step.num_new_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self._commit(step, encoding, scheduled)
+                token_budget -= step.num_new_tokens
+                i += 1
+
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(request)
+            start = len(cached) * self.block_manager.block_size
+            step = self._plan(request, start, min(request.num_tokens - start, token_budget), encoding)
+            if step is None or not self.block_manager.allocate(request, step.num_new_tokens, cached):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = start
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._commit(step, encoding, scheduled)
+            token_budget -= step.num_new_tokens
+        return SchedulerOutput(scheduled, encoding)
+
+    def _plan(
+        self, request: Request, start: int, num_new: int, encoding: dict[str, set[str]]
+    ) -> ScheduledRequest | None:
+        """How many of `num_new` tokens from `start` can run, given the encoder budget and cache;
+        a chunk stops before an image that cannot be encoded in this step."""
+        used = sum(self._rows[h] for h in encoding)
+        budget_left = self.encoder_budget - used
+        step = ScheduledRequest(request, num_new)
+        for item in request.items_overlapping(start, start + num_new):
+            if item.hash in encoding or any(item.hash == i.hash for i in step.encode):
+                continue  # encoded this step already (for another request, or a repeat in this one)
+            if self.encoder_cache.lookup(item.hash, request.request_id):
+                continue
+            pending = used + sum(i.num_embeds for i in step.encode)
+            if item.num_embeds > budget_left or not self.encoder_cache.can_fit(item.num_embeds, pending):
+                step.num_new_tokens = max(0, item.start - start)
+                break
+            step.encode.append(item)
+            budget_left -= item.num_embeds
+        if step.num_new_tokens == 0:
+            return None
+        end = start + step.num_new_tokens
+        step.encode = [item for item in step.encode if item.start < end]
+        step.shared = [i.hash for i in request.items_overlapping(start, end) if i.hash in encoding]
+        return step
+
+    def _commit(self, step: ScheduledRequest, encoding: dict[str, set[str]], scheduled: list) -> None:
+        for item in step.encode:
+            encoding.setdefault(item.hash, set()).add(step.request.request_id)
+            self._rows[item.hash] = item.num_embeds
+        for item_hash in step.shared:
+            encoding[item_hash].add(step.request.request_id)
+        scheduled.append(step)
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        self.encoder_cache.release(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request and free what it holds."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        self.encoder_cache.release(request.request_id)

@@ -1,0 +1,61 @@
+"""From logits to tokens: greedy, or temperature with top-k / top-p / min-p, per request.
+
+Each seeded request draws from its own generator, so its samples do not depend on what else
+is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Optional[dict[int, float]]]
+    """Per row, if requested: token id -> log-probability for the sampled and the top tokens."""
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]]
+) -> SamplerOutput:
+    """logits [B, vocab] (one row per request) -> one token per row."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)  # [B]; greedy rows keep it
+    for row, (p, generator) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            probs = _filtered_probs(logits[row] / p.temperature, p)
+            tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
+    token_ids = tokens.tolist()
+    logprobs: list[Optional[dict[int, float]]] = [None] * len(params)
+    wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if wanted:
+        all_logprobs = torch.log_softmax(logits[wanted], dim=-1)  # of the model's distribution
+        for k, row in enumerate(wanted):
+            top = all_logprobs[k].topk(params[row].logprobs) if params[row].logprobs else None
+            entry = {} if top is None else dict(zip(top.indices.tolist(), top.values.tolist()))
+            entry[token_ids[row]] = float(all_logprobs[k, token_ids[row]])
+            logprobs[row] = entry
+    return SamplerOutput(token_ids, logprobs)
+
+
+def _filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """[vocab] scaled logits -> probabilities after top-k, top-p and min-p."""
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = logits.topk(p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep a token if the mass before it is below top_p (the most likely one always stays)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()

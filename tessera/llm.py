@@ -1,0 +1,129 @@
+"""The offline API: `LLM(model).generate(prompts)` and `LLM(model).chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Union
+
+from tqdm.auto import tqdm
+
+from .config import CacheConfig, ModelConfig, MultiModalConfig, SchedulerConfig
+from .engine.llm_engine import LLMEngine
+from .engine.prompt import PromptType
+from .multimodal.media import load_image_url
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+Message = Mapping[str, Any]
+
+
+class LLM:
+    """A model served in-process. Options are those of ModelConfig, CacheConfig,
+    SchedulerConfig and MultiModalConfig, e.g. `dtype`, `kv_cache_memory`, `block_size`,
+    `max_num_batched_tokens`, `enable_prefix_caching`, `limit_mm_per_prompt`."""
+
+    def __init__(self, model: str, **options: Any) -> None:
+        groups = {cls: {} for cls in (ModelConfig, CacheConfig, SchedulerConfig, MultiModalConfig)}
+        renames = {"limit_mm_per_prompt": "limit_per_prompt"}
+        for name, value in options.items():
+            name = renames.get(name, name)
+            owner = next((cls for cls in groups if name in cls.__dataclass_fields__ and name != "hf_config"), None)
+            if owner is None:
+                raise ValueError(f"Unknown LLM option {name!r}")
+            groups[owner][name] = value
+        mm_config = MultiModalConfig(**groups[MultiModalConfig])
+        model_config = ModelConfig(model, multimodal_config=mm_config, **groups[ModelConfig])
+        self.engine = LLMEngine(
+            model_config, CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig])
+        )
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (batched by the engine); outputs in prompt order.
+
+        A prompt is a string, token ids, or {"prompt": str | "prompt_token_ids": [...],
+        "multi_modal_data": {"image": image or [images]}}."""
+        if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"Got {len(params_list)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params_list):  # validate and queue all before running any
+                ids.append(str(next(self._ids)))
+                self.engine.add_request(ids[-1], prompt, p)
+        except Exception:
+            for request_id in ids[:-1]:
+                self.engine.abort_request(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: Optional[str] = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to OpenAI-style conversations: content is a string or a list of
+        {"type": "text", "text": ...} and {"type": "image_url", "image_url": {"url": ...}} parts
+        (data URLs or local paths), rendered through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = [self._render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _render_chat(self, messages: Sequence[Message], add_generation_prompt: bool, chat_template: Optional[str]):
+        images, hf_messages = [], []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, str) or content is None:
+                hf_messages.append({"role": message["role"], "content": [{"type": "text", "text": content or ""}]})
+                continue
+            parts = []
+            for part in content:
+                kind = part.get("type")
+                if kind == "text":
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind == "image_url":
+                    url = part["image_url"]["url"] if isinstance(part["image_url"], Mapping) else part["image_url"]
+                    images.append(load_image_url(url, allow_any_local=True))
+                    parts.append({"type": "image"})
+                else:
+                    raise ValueError(f"Unsupported content part type {kind!r}; use 'text' or 'image_url'")
+            hf_messages.append({"role": message["role"], "content": parts})
+        renderer = self.engine.processor.info.get_hf_processor() if self.engine.processor else self.engine.tokenizer
+        template = chat_template or getattr(renderer, "chat_template", None)
+        if template is None:
+            raise ValueError("This model has no chat template; pass chat_template=... or use generate().")
+        prompt = renderer.apply_chat_template(
+            hf_messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else {"prompt": prompt}

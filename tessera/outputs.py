@@ -1,0 +1,60 @@
+"""What generation returns: per prompt, its outputs with text, token ids and metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    num_output_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        """Seconds from arrival to the first output token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> Optional[float]:
+        """Mean seconds between output tokens after the first."""
+        if self.finished_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None
+    """"stop" (EOS, a stop token or string), "length" (max_tokens or context), "abort", or None."""
+
+    stop_reason: Optional[object] = None
+    """The stop string or token id that ended the output, if any."""
+
+    logprobs: Optional[list[dict[int, float]]] = None
+    """Per output token: token id -> log-probability, for the sampled and the top tokens."""
+
+    metrics: Optional[RequestMetrics] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
