@@ -69,19 +69,22 @@ class LLM:
         except Exception:
             for request_id in ids[:-1]:
                 self.engine.abort_request(request_id)
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
             raise
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2) as bar:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+            try:
+                while self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+            except BaseException:  # leave no request behind for the next call
+                for request_id in ids:
+                    self.engine.abort_request(request_id)
+                raise
         return [finished[i] for i in ids]
 
     def chat(

@@ -41,9 +41,10 @@ class IncrementalDetokenizer:
                 return stop
         return None
 
-    def finish(self, stopped_by_string: bool) -> str:
+    def finish(self, stopped_by_string: bool = False, drop_last_token: bool = False) -> str:
         """The final text: everything, including a trailing incomplete character, unless a stop
-        string already cut it."""
+        string already cut it; without the last token if it was a stop token."""
         if not stopped_by_string:
-            self.text = decode(self.tokenizer, self.token_ids, self.skip_special_tokens)
+            token_ids = self.token_ids[:-1] if drop_last_token else self.token_ids
+            self.text = decode(self.tokenizer, token_ids, self.skip_special_tokens)
         return self.text

@@ -149,9 +149,12 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> None:
-        for child in self.children.get(request_id, []):
+        """Stop a request and free what it holds; it produces no further output."""
+        for child in self.children.pop(request_id, []):
             if not child.is_finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+            self.detokenizers.pop(child.request_id, None)
+        self.prompts.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -200,7 +203,8 @@ class LLMEngine:
         elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
-            self.detokenizers[request.request_id].finish(stopped_by_string=stop_string is not None)
+            by_token = status == RequestStatus.FINISHED_STOPPED and stop_string is None  # EOS or a stop token
+            self.detokenizers[request.request_id].finish(stop_string is not None, drop_last_token=by_token)
             metrics.finished_time = now
             self.scheduler.finish(request, status)
 

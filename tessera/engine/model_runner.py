@@ -14,6 +14,7 @@ import torch
 from ..layers.attention import AttentionMetadata, attention_metadata
 from ..layers.kv_cache import allocate_kv_cache
 from ..layers.sampler import SamplerOutput, sample
+from ..models.interfaces import supports_multimodal
 from ..multimodal.inputs import MultiModalKwargs
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
@@ -60,9 +61,11 @@ class ModelRunner:
             self.device,
         )
         input_ids = torch.tensor(ids, device=self.device)
-        inputs_embeds = self.model.get_input_embeddings(
-            input_ids, rows or None, is_multimodal=torch.cat(is_multimodal).to(self.device)
-        )
+        if supports_multimodal(self.model):
+            mask = torch.cat(is_multimodal).to(self.device)
+            inputs_embeds = self.model.get_input_embeddings(input_ids, rows or None, is_multimodal=mask)
+        else:
+            inputs_embeds = self.model.get_input_embeddings(input_ids)
         with attention_metadata(metadata):
             hidden = self.model(None, torch.tensor(positions, device=self.device), inputs_embeds=inputs_embeds)
         if not sampling:

@@ -28,6 +28,9 @@ class ScheduledRequest:
     shared: list[str] = field(default_factory=list)
     """Hashes of items this request needs that another request encodes this step."""
 
+    cached: list[str] = field(default_factory=list)
+    """Hashes of items this request needs that the encoder cache holds."""
+
 
 @dataclass
 class SchedulerOutput:
@@ -111,7 +114,8 @@ class Scheduler:
         for item in request.items_overlapping(start, start + num_new):
             if item.hash in encoding or any(item.hash == i.hash for i in step.encode):
                 continue  # encoded this step already (for another request, or a repeat in this one)
-            if self.encoder_cache.lookup(item.hash, request.request_id):
+            if item.hash in self.encoder_cache.entries:  # referenced once the step is committed
+                step.cached.append(item.hash)
                 continue
             pending = used + sum(i.num_embeds for i in step.encode)
             if item.num_embeds > budget_left or not self.encoder_cache.can_fit(item.num_embeds, pending):
@@ -132,6 +136,8 @@ class Scheduler:
             self._rows[item.hash] = item.num_embeds
         for item_hash in step.shared:
             encoding[item_hash].add(step.request.request_id)
+        for item_hash in step.cached:
+            self.encoder_cache.lookup(item_hash, step.request.request_id)
         scheduled.append(step)
 
     def _preempt(self, request: Request) -> None:

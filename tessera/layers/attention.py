@@ -1,7 +1,8 @@
 """Causal self-attention over a paged KV cache.
 
-The cache of each layer is a pool of fixed-size blocks, `[num_blocks, block_size, kv_heads,
-head_dim]` for keys and for values. A sequence owns a list of blocks (its block table); token t of
+The cache of each layer is a pool of fixed-size blocks, `[num_blocks, kv_heads, block_size,
+head_dim]` for keys and for values (heads outside positions, so decode attention can multiply
+gathered blocks without reordering them). A sequence owns a list of blocks (its block table); token t of
 a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`. One forward
 step carries new tokens of several sequences, flattened into one `[num_tokens, ...]` batch: whole
 prompts, prompt chunks whose earlier tokens are already cached, and single decode tokens alike.
@@ -36,6 +37,15 @@ class AttentionMetadata:
     context_slots: list[torch.Tensor]
     """Per sequence, [context_len] slots of all its tokens, in order."""
 
+    decode_rows: torch.Tensor
+    """[num_decode] batch rows of the sequences with a single new token, attended in one batch."""
+
+    decode_block_tables: torch.Tensor
+    """[num_decode, max_blocks] their block tables, padded with block 0."""
+
+    decode_mask: torch.Tensor
+    """[num_decode, max_blocks * block_size] True where a cache position holds one of their tokens."""
+
     @staticmethod
     def build(
         query_lens: Sequence[int],
@@ -57,7 +67,24 @@ class AttentionMetadata:
             context_slots.append(slots.to(device))
             new_slots.append(slots[context_len - query_len :])
         slot_mapping = torch.cat(new_slots).to(device) if new_slots else torch.empty(0, dtype=torch.long)
-        return AttentionMetadata(list(query_lens), list(context_lens), slot_mapping, context_slots)
+        decode = [i for i, n in enumerate(query_lens) if n == 1]
+        starts = torch.tensor([0, *query_lens]).cumsum(0)
+        max_blocks = max((-(-context_lens[i] // block_size) for i in decode), default=0)
+        tables = torch.zeros(len(decode), max_blocks, dtype=torch.long)
+        for row, i in enumerate(decode):
+            used = -(-context_lens[i] // block_size)
+            tables[row, :used] = torch.as_tensor(block_tables[i][:used])
+        lens = torch.tensor([context_lens[i] for i in decode], dtype=torch.long)
+        mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
+        return AttentionMetadata(
+            list(query_lens),
+            list(context_lens),
+            slot_mapping,
+            context_slots,
+            decode_rows=starts[decode].to(device),
+            decode_block_tables=tables.to(device),
+            decode_mask=mask.to(device),
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -92,7 +119,7 @@ class PagedAttention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
-        # Bound by the runner (see kv_cache.py): [num_blocks, block_size, num_kv_heads, head_dim].
+        # Bound by the runner (see kv_cache.py): [num_blocks, num_kv_heads, block_size, head_dim].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -101,26 +128,47 @@ class PagedAttention(nn.Module):
         metadata = get_attention_metadata()
         if self.k_cache.numel() == 0:
             raise RuntimeError("The KV cache is not allocated; call allocate_kv_cache(model, ...) first")
-        k_cache = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, Hkv, D]
-        v_cache = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_cache.index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))
+        block_size = self.k_cache.shape[2]
+        blocks, offsets = metadata.slot_mapping // block_size, metadata.slot_mapping % block_size
+        self.k_cache[blocks, :, offsets] = k.to(self.k_cache.dtype)
+        self.v_cache[blocks, :, offsets] = v.to(self.v_cache.dtype)
 
         out = torch.empty_like(q)
+        if len(metadata.decode_rows):
+            out[metadata.decode_rows] = self._decode(q[metadata.decode_rows], metadata)
         start = 0
         for query_len, context_len, slots in zip(metadata.query_lens, metadata.context_lens, metadata.context_slots):
-            q_seq = q[start : start + query_len].transpose(0, 1)  # [H, q, D]
-            k_seq = k_cache[slots].transpose(0, 1).to(q.dtype)  # [Hkv, ctx, D]
-            v_seq = v_cache[slots].transpose(0, 1).to(q.dtype)
-            # Query j sits at position context_len - query_len + j and sees keys up to it.
-            mask = None
             if query_len > 1:
-                mask = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device).tril(
-                    diagonal=context_len - query_len
-                )
-            o = F.scaled_dot_product_attention(
-                q_seq, k_seq, v_seq, attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads
-            )
-            out[start : start + query_len] = o.transpose(0, 1)
+                out[start : start + query_len] = self._prefill(q[start : start + query_len], slots, context_len)
             start += query_len
         return out
+
+    def _prefill(self, q: torch.Tensor, slots: torch.Tensor, context_len: int) -> torch.Tensor:
+        """One sequence's chunk: q [n, H, D] over its context [context_len] -> [n, H, D]."""
+        group = self.num_heads // self.num_kv_heads
+        block_size = self.k_cache.shape[2]
+        blocks, offsets = slots // block_size, slots % block_size
+        # repeat kv heads: SDPA's enable_gqa path is very slow on CPU
+        k = self.k_cache[blocks, :, offsets].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
+        v = self.v_cache[blocks, :, offsets].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        query_len = q.shape[0]
+        # Query j sits at position context_len - query_len + j and sees keys up to it.
+        mask = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device).tril(context_len - query_len)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=self.scale)
+        return out.transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """All single-token sequences at once, block by block: q [B, H, D] -> [B, H, D]."""
+        batch, group = q.shape[0], self.num_heads // self.num_kv_heads
+        k = self.k_cache[metadata.decode_block_tables].to(q.dtype)  # [B, blocks, Hkv, block_size, D]
+        v = self.v_cache[metadata.decode_block_tables].to(q.dtype)
+        num_blocks, block_size = k.shape[1], k.shape[3]
+        q = q.view(batch, 1, self.num_kv_heads, group, self.head_dim)  # heads of a kv group are adjacent
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [B, blocks, Hkv, group, block_size]
+        mask = metadata.decode_mask.view(batch, num_blocks, 1, 1, block_size)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        # softmax over every position of the sequence: blocks and offsets together
+        scores = scores.permute(0, 2, 3, 1, 4).reshape(batch, self.num_kv_heads, group, -1).softmax(dim=-1)
+        probs = scores.view(batch, self.num_kv_heads, group, num_blocks, block_size).permute(0, 3, 1, 2, 4)
+        out = torch.matmul(probs, v).sum(dim=1)  # [B, Hkv, group, D]
+        return out.reshape(batch, self.num_heads, self.head_dim)

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import CLIPVisionConfig
 
 from tessera.layers.activations import get_activation
+from tessera.layers.linear import MergedLinear
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -39,16 +40,15 @@ class CLIPAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.num_heads
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        shards = {"q_proj": config.hidden_size, "k_proj": config.hidden_size, "v_proj": config.hidden_size}
+        self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=True)
         self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, length, _ = x.shape
         q, k, v = (
-            proj(x).view(n, length, self.num_heads, self.head_dim).transpose(1, 2)
-            for proj in (self.q_proj, self.k_proj, self.v_proj)
+            t.reshape(n, length, self.num_heads, self.head_dim).transpose(1, 2)
+            for t in self.qkv_proj.split(self.qkv_proj(x))
         )  # [N, H, L, D]
         out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
         return self.out_proj(out.transpose(1, 2).reshape(n, length, -1))

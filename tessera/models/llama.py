@@ -15,6 +15,7 @@ from transformers import LlamaConfig
 from tessera.layers.activations import get_activation
 from tessera.layers.attention import PagedAttention
 from tessera.layers.layernorm import RMSNorm
+from tessera.layers.linear import MergedLinear
 from tessera.layers.rotary import RotaryEmbedding
 from tessera.models.causal_lm import CausalLM
 
@@ -26,18 +27,19 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         bias = getattr(config, "attention_bias", False)
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shards = {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}
+        self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.rotary_emb = RotaryEmbedding(config, self.head_dim)
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        q = self.q_proj(hidden_states).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v).reshape(num_tokens, -1))
 
@@ -46,13 +48,14 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        shards = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+        self.gate_up_proj = MergedLinear(config.hidden_size, shards, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

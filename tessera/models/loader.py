@@ -16,6 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import ModelConfig
+from ..layers.linear import MergedLinear
 from .registry import ModelRegistry
 
 # Tensors some checkpoints carry that no model needs (recomputed buffers).
@@ -48,26 +49,40 @@ def load_weights(model: nn.Module, folder: str | Path, *, allow_pickle: bool = F
     folder = Path(folder)
     expected = model.state_dict(keep_vars=True)
     tied = _tied_names(model)
+    shard_targets = _shard_targets(model)
     loaded: dict[str, torch.Tensor] = {}
+    shards_missing = {fused: set(names) for fused, names in _shards_by_fused(shard_targets).items()}
     unexpected = []
     for hf_name, tensor in iter_checkpoint(folder, allow_pickle=allow_pickle):
         name = _rename(hf_name, getattr(model, "hf_to_tessera_prefixes", {}))
         if name.endswith(IGNORED_SUFFIXES):
             continue
-        if name not in expected:
+        fused, rows = shard_targets.get(name, (name, slice(None)))
+        if fused not in expected:
             unexpected.append(hf_name)
             continue
-        if tuple(tensor.shape) != tuple(expected[name].shape):
+        want = expected[fused][rows].shape
+        if tuple(tensor.shape) != tuple(want):
             raise ValueError(
                 f"Weight {hf_name} in {folder} has shape {tuple(tensor.shape)}, but the model expects "
-                f"{tuple(expected[name].shape)}; config.json does not describe these weights."
+                f"{tuple(want)}; config.json does not describe these weights."
             )
-        loaded[name] = tensor
+        if fused == name:
+            loaded[name] = tensor
+            continue
+        if fused not in loaded:  # first shard: make room for all of them
+            loaded[fused] = torch.empty(expected[fused].shape, dtype=tensor.dtype)
+        loaded[fused][rows] = tensor
+        shards_missing[fused].discard(name)
+    for fused, names in shards_missing.items():
+        if names:
+            loaded.pop(fused, None)
     for name, group in tied.items():  # e.g. lm_head tied to embed_tokens: one tensor serves all
         source = next((n for n in group if n in loaded), None)
         if source is not None:
             loaded.update({n: loaded[source] for n in group})
     missing = [name for name in expected if name not in loaded]
+    missing = [n for name in missing for n in (sorted(shards_missing.get(name)) or [name])]
     if missing:
         raise ValueError(f"Missing weights in {folder}: {_listing(missing)}")
     if unexpected:
@@ -108,6 +123,26 @@ def _shards(folder: Path, index_name: str, pattern: str) -> list[Path]:
             raise ValueError(f"{index} names shard(s) that are not in the folder: {', '.join(absent)}")
         return files
     return sorted(folder.glob(pattern))
+
+
+def _shard_targets(model: nn.Module) -> dict[str, tuple[str, slice]]:
+    """Checkpoint names of the projections fused into MergedLinear layers -> (fused name, rows)."""
+    targets = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            parent = module_name.rpartition(".")[0]
+            params = ["weight"] + (["bias"] if module.bias is not None else [])
+            for shard, rows in module.shard_rows().items():
+                for param in params:
+                    targets[f"{parent}.{shard}.{param}"] = (f"{module_name}.{param}", rows)
+    return targets
+
+
+def _shards_by_fused(targets: Mapping[str, tuple[str, slice]]) -> dict[str, list[str]]:
+    by_fused: dict[str, list[str]] = {}
+    for name, (fused, _) in targets.items():
+        by_fused.setdefault(fused, []).append(name)
+    return by_fused
 
 
 def _rename(name: str, prefixes: Mapping[str, str]) -> str:

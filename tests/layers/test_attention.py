@@ -22,8 +22,8 @@ def reference(q, k, v, scale):
 
 def make_layer(num_blocks=32, block_size=4):
     layer = PagedAttention(H, D, HKV, scale=D**-0.5)
-    layer.k_cache = torch.zeros(num_blocks, block_size, HKV, D)
-    layer.v_cache = torch.zeros(num_blocks, block_size, HKV, D)
+    layer.k_cache = torch.zeros(num_blocks, HKV, block_size, D)
+    layer.v_cache = torch.zeros(num_blocks, HKV, block_size, D)
     return layer
 
 

@@ -1,0 +1,142 @@
+"""Prompt processing and truncate_prompt_tokens: the last N tokens stay, images stay whole or go."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from tessera.engine.prompt import process_prompt
+from tessera.multimodal import MULTIMODAL_REGISTRY
+from tests.fixtures import build_tokenizer
+from tests.multimodal.test_processing import random_images
+
+PROMPT = "USER: <image>\nWhat is this? <image>\nAnd this one? ASSISTANT:"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llava_dir):
+    """What process_prompt reads of an engine: the LLaVA processor and tokenizer."""
+    processor = MULTIMODAL_REGISTRY.create_processor(tiny_llava_dir)
+    tokenizer = processor.info.get_tokenizer()
+    return SimpleNamespace(processor=processor, tokenizer=tokenizer, model_config=None)
+
+
+@pytest.fixture(scope="module")
+def text_engine():
+    return SimpleNamespace(
+        processor=None, tokenizer=build_tokenizer("llava"), model_config=SimpleNamespace(architectures=["Llama"])
+    )
+
+
+@pytest.fixture(scope="module")
+def full(engine):
+    """The untruncated prompt with two different images."""
+    return process_prompt(engine, prompt_with_images())
+
+
+def prompt_with_images():
+    return {"prompt": PROMPT, "multi_modal_data": {"image": random_images([(40, 40), (30, 50)], seed=3)}}
+
+
+def image_token(engine):
+    return engine.tokenizer.convert_tokens_to_ids("<image>")
+
+
+def assert_placeholders_cover_exactly_the_image_tokens(engine, inputs):
+    ids = inputs.token_ids
+    covered = set()
+    for item in inputs.mm_items:
+        assert ids[item.start : item.end] == [image_token(engine)] * item.placeholder.length
+        covered |= set(range(item.start, item.end))
+    assert covered == {i for i, t in enumerate(ids) if t == image_token(engine)}
+
+
+def truncate(engine, start, full, caplog):
+    """Process the prompt keeping the tokens from `start` of the full prompt on."""
+    with caplog.at_level(logging.WARNING, logger="tessera.engine.prompt"):
+        return process_prompt(engine, prompt_with_images(), truncate_to=len(full.token_ids) - start)
+
+
+def test_the_full_prompt_has_two_images_of_16_tokens(engine, full):
+    assert [item.placeholder.length for item in full.mm_items] == [16, 16]
+    assert full.mm_items[0].hash != full.mm_items[1].hash
+    assert_placeholders_cover_exactly_the_image_tokens(engine, full)
+
+
+@pytest.mark.parametrize("keep", [1, 5, 12])
+def test_a_text_prompt_keeps_its_last_tokens(text_engine, keep):
+    text = "There are three red squares in the image."
+    inputs = process_prompt(text_engine, text, truncate_to=keep)
+    assert inputs.token_ids == text_engine.tokenizer.encode(text)[-keep:]
+    assert inputs.prompt == text
+
+
+@pytest.mark.parametrize("extra", [0, 10])
+def test_a_prompt_that_fits_is_unchanged(engine, full, caplog, extra):
+    with caplog.at_level(logging.WARNING):
+        inputs = process_prompt(engine, prompt_with_images(), truncate_to=len(full.token_ids) + extra)
+    assert inputs.token_ids == full.token_ids
+    assert [item.placeholder for item in inputs.mm_items] == [item.placeholder for item in full.mm_items]
+    assert not caplog.records
+
+
+def test_a_boundary_inside_an_image_drops_it_with_its_tokens(engine, full, caplog):
+    first, second = full.mm_items
+    inputs = truncate(engine, first.start + 5, full, caplog)
+    assert inputs.token_ids == full.token_ids[first.end :]  # fewer than asked: none of its tokens stay
+    assert [item.hash for item in inputs.mm_items] == [second.hash]
+    assert inputs.mm_items[0].start == second.start - first.end
+    assert_placeholders_cover_exactly_the_image_tokens(engine, inputs)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "dropped 1 image" in caplog.records[0].getMessage()
+
+
+def test_a_boundary_at_an_image_start_keeps_it(engine, full, caplog):
+    first, second = full.mm_items
+    inputs = truncate(engine, first.start, full, caplog)
+    assert inputs.token_ids == full.token_ids[first.start :]
+    assert [item.hash for item in inputs.mm_items] == [first.hash, second.hash]
+    assert [item.start for item in inputs.mm_items] == [0, second.start - first.start]
+    assert_placeholders_cover_exactly_the_image_tokens(engine, inputs)
+    assert not caplog.records
+
+
+def test_a_boundary_between_images_drops_the_first_and_keeps_exactly_n_tokens(engine, full, caplog):
+    first, second = full.mm_items
+    start = first.end + 2
+    assert start < second.start
+    inputs = truncate(engine, start, full, caplog)
+    assert inputs.token_ids == full.token_ids[start:]
+    assert [item.hash for item in inputs.mm_items] == [second.hash]
+    assert_placeholders_cover_exactly_the_image_tokens(engine, inputs)
+    assert "dropped 1 image" in caplog.text
+
+
+def test_a_boundary_inside_the_last_image_drops_both(engine, full, caplog):
+    second = full.mm_items[1]
+    inputs = truncate(engine, second.end - 1, full, caplog)
+    assert inputs.token_ids == full.token_ids[second.end :]
+    assert inputs.mm_items == []
+    assert image_token(engine) not in inputs.token_ids
+    assert "dropped 2 image" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ({"prompt": "a", "prompt_token_ids": [1, 2]}, "exactly one of"),
+        ({"multi_modal_data": {}}, "exactly one of"),
+        (42, "must be a string, a list of token ids or a dict"),
+    ],
+)
+def test_malformed_prompts_are_value_errors(text_engine, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        process_prompt(text_engine, prompt)
+
+
+def test_a_text_only_model_rejects_images(text_engine):
+    prompt = {"prompt": "hi", "multi_modal_data": {"image": random_images([(8, 8)])}}
+    with pytest.raises(ValueError, match="Llama is a text-only model"):
+        process_prompt(text_engine, prompt)

@@ -1,0 +1,235 @@
+"""Scheduler: token and encoder budgets, decode first, sequence slots, preemption and freeing.
+
+A small harness plays the model runner and the engine: it encodes what a step asks for, checks that
+everything the step reads is there (encoder outputs, KV blocks), and advances the requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.config import SchedulerConfig
+from tessera.engine.block_manager import BlockManager
+from tessera.engine.encoder_cache import EncoderCache
+from tessera.engine.request import MultiModalItem, Request, RequestStatus
+from tessera.engine.scheduler import Scheduler
+from tessera.multimodal.inputs import MultiModalKwargsItem, PlaceholderRange
+from tessera.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_request(request_id, num_tokens, images=(), max_tokens=2):
+    """images: (content hash, offset, length). Prompts of different requests share no tokens (so no
+    prefix-cache hits) unless their ids start with the same letter."""
+    items = [
+        MultiModalItem("image", h, MultiModalKwargsItem(), PlaceholderRange(offset, length))
+        for h, offset, length in images
+    ]
+    tokens = [100 * ord(request_id[0]) + i for i in range(num_tokens)]
+    return Request(request_id, tokens, SamplingParams(max_tokens=max_tokens), mm_items=items)
+
+
+class Harness:
+    def __init__(self, *, budget=64, encoder_budget=16, encoder_cache=None, num_blocks=64, max_num_seqs=64):
+        self.blocks = BlockManager(num_blocks, BS)
+        self.cache = EncoderCache(encoder_cache or encoder_budget)
+        config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+        self.scheduler = Scheduler(config, self.blocks, self.cache, encoder_budget)
+        self.encoded: list[str] = []  # item hashes, in the order the encoder ran them
+        self.chunks: list[tuple[str, int, int]] = []  # (request id, start, end) of every scheduled piece
+
+    def add(self, *requests):
+        for request in requests:
+            self.scheduler.add_request(request)
+
+    def step(self):
+        out = self.scheduler.schedule()
+        to_encode = {item.hash: item for s in out.scheduled for item in s.encode}
+        for item_hash, item in to_encode.items():
+            self.cache.put(item_hash, torch.zeros(item.num_embeds, 1), out.encoder_users[item_hash])
+            self.encoded.append(item_hash)
+        for s in out.scheduled:
+            request = s.request
+            start, end = request.num_computed_tokens, request.num_computed_tokens + s.num_new_tokens
+            self.chunks.append((request.request_id, start, end))
+            assert all(item.hash in self.cache.entries for item in request.items_overlapping(start, end))
+            assert len(self.blocks.blocks_of(request)) * BS >= end
+            request.num_computed_tokens = end
+            self.blocks.cache_full_blocks(request)
+            for item in request.mm_items:
+                if item.end <= end:
+                    self.cache.release_item(item.hash, request.request_id)
+            if end == request.num_tokens:  # sample a token
+                request.output_token_ids.append(1000 + len(request.output_token_ids))
+                if len(request.output_token_ids) >= request.sampling_params.max_tokens:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+        return out
+
+    def run(self, max_steps=200):
+        outs = []
+        while self.scheduler.has_unfinished_requests():
+            outs.append(self.step())
+            assert len(outs) < max_steps
+        return outs
+
+
+def planned(out):
+    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_the_token_budget_is_filled_in_order_and_never_exceeded():
+    harness = Harness(budget=8)
+    requests = [make_request(name, 10, max_tokens=3) for name in "abc"]
+    harness.add(*requests)
+    outs = harness.run()
+    assert planned(outs[0]) == [("a", 8)]
+    assert planned(outs[1]) == [("a", 2), ("b", 6)]
+    assert all(out.num_tokens <= 8 for out in outs)
+    assert all(len(r.output_token_ids) == 3 and r.status == RequestStatus.FINISHED_LENGTH for r in requests)
+
+
+def test_running_decodes_come_before_new_prefills():
+    harness = Harness(budget=8)
+    first = make_request("a", 4, max_tokens=5)
+    harness.add(first)
+    harness.step()
+    harness.add(make_request("b", 20))
+    assert planned(harness.step()) == [("a", 1), ("b", 7)]
+    assert planned(harness.step()) == [("a", 1), ("b", 7)]
+
+
+def test_max_num_seqs_limits_the_running_requests():
+    harness = Harness(max_num_seqs=2)
+    requests = [make_request(name, 5, max_tokens=2) for name in "abc"]
+    harness.add(*requests)
+    assert [r for r, _ in planned(harness.step())] == ["a", "b"]
+    assert harness.scheduler.running == requests[:2] and list(harness.scheduler.waiting) == requests[2:]
+    outs = harness.run()
+    assert all(len(out.scheduled) <= 2 for out in outs)
+    assert "c" in [r for r, _ in planned(outs[1])]  # admitted as soon as a slot frees
+
+
+# ---- images and chunked prefill --------------------------------------------------------------
+
+
+def test_an_image_is_encoded_once_while_its_placeholders_span_chunks():
+    harness = Harness(budget=7, encoder_budget=16)
+    request = make_request("a", 30, images=[("img", 3, 16)])
+    harness.add(request)
+    outs = harness.run()
+    assert planned(outs[0]) == [("a", 7)]  # the chunk does not stop before the image
+    assert [item.hash for item in outs[0].scheduled[0].encode] == ["img"]
+    assert all(not s.encode for out in outs[1:] for s in out.scheduled)
+    assert harness.encoded == ["img"]
+    image_chunks = [(start, end) for _, start, end in harness.chunks if start < 19 and end > 3]
+    assert image_chunks == [(0, 7), (7, 14), (14, 21)]
+
+
+def test_a_chunk_stops_before_an_image_that_does_not_fit_the_encoder_budget_left():
+    harness = Harness(budget=64, encoder_budget=16, encoder_cache=32)
+    request = make_request("a", 40, images=[("one", 2, 16), ("two", 20, 16)])
+    harness.add(request)
+    first = harness.step()
+    assert planned(first) == [("a", 20)]  # up to the second image's first placeholder
+    assert [item.hash for item in first.scheduled[0].encode] == ["one"]
+    second = harness.step()
+    assert planned(second) == [("a", 20)]
+    assert [item.hash for item in second.scheduled[0].encode] == ["two"]
+
+
+def test_a_second_request_stops_before_its_image_when_the_first_used_the_encoder_budget():
+    harness = Harness(budget=64, encoder_budget=16, encoder_cache=32)
+    harness.add(make_request("a", 20, images=[("one", 2, 16)]), make_request("b", 24, images=[("two", 5, 16)]))
+    out = harness.step()
+    assert planned(out) == [("a", 20), ("b", 5)]
+    assert [[item.hash for item in s.encode] for s in out.scheduled] == [["one"], []]
+
+
+def test_a_request_whose_first_token_is_an_image_that_does_not_fit_waits():
+    harness = Harness(budget=64, encoder_budget=16, encoder_cache=32)
+    waiting = make_request("b", 20, images=[("two", 0, 16)])
+    harness.add(make_request("a", 20, images=[("one", 2, 16)]), waiting)
+    assert planned(harness.step()) == [("a", 20)]
+    assert list(harness.scheduler.waiting) == [waiting]
+    assert planned(harness.step()) == [("a", 1), ("b", 20)]
+
+
+def test_a_full_encoder_cache_holds_an_image_back_like_the_budget():
+    # the budget allows two images per step but the cache holds only one while it is referenced
+    harness = Harness(budget=64, encoder_budget=32, encoder_cache=16)
+    harness.add(make_request("a", 20, images=[("one", 2, 16)]), make_request("b", 24, images=[("two", 5, 16)]))
+    assert planned(harness.step()) == [("a", 20), ("b", 5)]
+
+
+def test_an_image_two_requests_need_in_one_step_is_encoded_once():
+    harness = Harness(budget=64, encoder_budget=16)
+    harness.add(make_request("a", 20, images=[("same", 2, 16)]), make_request("b", 20, images=[("same", 2, 16)]))
+    out = harness.step()
+    assert [[item.hash for item in s.encode] for s in out.scheduled] == [["same"], []]
+    assert out.scheduled[1].shared == ["same"]
+    assert out.encoder_users == {"same": {"a", "b"}}
+    assert harness.encoded == ["same"]
+
+
+# ---- preemption and finishing ------------------------------------------------------------------
+
+
+def test_when_blocks_run_out_the_most_recently_admitted_request_is_preempted():
+    harness = Harness(num_blocks=4)
+    first, second = make_request("a", 4, max_tokens=10), make_request("b", 4, max_tokens=10)
+    harness.add(first, second)
+    steps = 0
+    while harness.scheduler.num_preemptions == 0:
+        out = harness.step()
+        steps += 1
+        assert steps < 20
+    # both fill 2 blocks (8 tokens) and need a third: only the first (admitted earlier) gets it
+    assert planned(out) == [("a", 1)]
+    assert second.status == RequestStatus.WAITING and second.num_computed_tokens == 0
+    assert second.num_preemptions == 1 and list(harness.scheduler.waiting) == [second]
+    assert harness.blocks.blocks_of(second) == []
+    assert harness.scheduler.running == [first] and len(harness.blocks.blocks_of(first)) == 3
+    harness.run()
+    assert len(first.output_token_ids) == len(second.output_token_ids) == 10
+
+
+def test_a_request_that_cannot_grow_alone_preempts_itself():
+    harness = Harness(num_blocks=2)
+    request = make_request("a", 8, max_tokens=10)  # 2 blocks for the prompt, a 3rd after one decode
+    harness.add(request)
+    harness.step()
+    out = harness.step()
+    assert out.scheduled == [] and request.status == RequestStatus.WAITING
+    assert harness.blocks.num_free_blocks == 2
+
+
+def test_finish_frees_the_blocks_and_encoder_entries_of_a_running_request():
+    harness = Harness(budget=8, encoder_budget=16)
+    request = make_request("a", 30, images=[("img", 3, 16)])
+    harness.add(request)
+    harness.step()  # mid-prompt: holds blocks and the image
+    assert harness.blocks.blocks_of(request) and harness.cache.num_referenced == 1
+    harness.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+    assert request.status == RequestStatus.FINISHED_ABORTED
+    assert harness.blocks.num_free_blocks == harness.blocks.num_blocks
+    assert harness.cache.num_referenced == 0
+    assert not harness.scheduler.has_unfinished_requests()
+
+
+def test_finish_removes_a_waiting_request():
+    harness = Harness(max_num_seqs=1)
+    running, waiting = make_request("a", 4), make_request("b", 4)
+    harness.add(running, waiting)
+    harness.step()
+    harness.scheduler.finish(waiting, RequestStatus.FINISHED_ABORTED)
+    assert list(harness.scheduler.waiting) == [] and harness.scheduler.running == [running]
+
+
+def test_a_request_with_a_cached_prefix_computes_only_the_rest():
+    harness = Harness()
+    harness.add(make_request("a", 10, max_tokens=1))
+    harness.run()
+    again = make_request("a2", 10)  # same prompt tokens: 2 full blocks cached
+    harness.add(again)
+    assert planned(harness.step()) == [("a2", 10 - 2 * BS)]

@@ -1,0 +1,336 @@
+"""The offline API: prompt forms, sampling options, stops, logprobs, metrics, chat and text-only models."""
+
+from __future__ import annotations
+
+import base64
+import re
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlavaForConditionalGeneration as HFLlava
+
+from tessera import LLM, SamplingParams
+from tests.fixtures import build_tokenizer
+from tests.multimodal.test_processing import random_images
+
+TEXT = "USER: What is this? ASSISTANT:"
+IMAGE_TEXT = "USER: <image>\nWhat is this? ASSISTANT:"
+
+
+def greedy(max_tokens=10, **kwargs):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def make_llm(folder, **options):
+    return LLM(str(folder), **{"device": "cpu", "block_size": 4, "kv_cache_memory": "8MiB", **options})
+
+
+def generate_one(llm, prompt, params):
+    return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llava_dir):
+    return make_llm(tiny_llava_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer("llava")
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(llm):
+    """Greedy output of TEXT, generated once for the stop tests."""
+    return generate_one(llm, TEXT, greedy(12))
+
+
+# ---- prompts ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["string", "token-ids", "dict-prompt", "dict-token-ids"])
+def test_every_prompt_form_gives_the_same_greedy_output(llm, tokenizer, form):
+    ids = tokenizer.encode(TEXT)
+    forms = {
+        "string": TEXT,
+        "token-ids": ids,
+        "dict-prompt": {"prompt": TEXT},
+        "dict-token-ids": {"prompt_token_ids": ids},
+    }
+    reference = llm.generate(TEXT, greedy(), use_tqdm=False)[0]
+    output = llm.generate(forms[form], greedy(), use_tqdm=False)[0]
+    assert output.prompt_token_ids == reference.prompt_token_ids == ids
+    assert output.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def test_a_token_id_prompt_with_an_image_equals_the_text_prompt(llm, tokenizer):
+    mm_data = {"image": random_images([(40, 30)], seed=4)}
+    by_text = llm.generate({"prompt": IMAGE_TEXT, "multi_modal_data": mm_data}, greedy(), use_tqdm=False)[0]
+    by_ids = llm.generate(
+        {"prompt_token_ids": tokenizer.encode(IMAGE_TEXT), "multi_modal_data": mm_data}, greedy(), use_tqdm=False
+    )[0]
+    assert by_ids.prompt_token_ids == by_text.prompt_token_ids
+    assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
+
+
+def test_outputs_come_back_in_prompt_order(llm):
+    prompts = ["USER: Describe the image. ASSISTANT:", TEXT, "USER: Colour? ASSISTANT:"]
+    max_tokens = [7, 1, 4]  # the second finishes first, the first last
+    outputs = llm.generate(prompts, [greedy(m) for m in max_tokens], use_tqdm=False)
+    assert [o.prompt for o in outputs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outputs] == max_tokens
+
+
+def test_a_sampling_params_list_of_the_wrong_length_is_refused(llm):
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate([TEXT] * 3, [greedy()] * 2, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+# ---- sampling ---------------------------------------------------------------------------------------
+
+SEEDED = SamplingParams(n=3, seed=1234, temperature=1.0, max_tokens=8, ignore_eos=True)
+
+
+def sampled(output):
+    return [c.token_ids for c in output.outputs]
+
+
+def test_n_gives_n_different_outputs_in_index_order(llm):
+    output = llm.generate(TEXT, SEEDED, use_tqdm=False)[0]
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in output.outputs)
+    assert len({tuple(tokens) for tokens in sampled(output)}) == 3
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm):
+    alone = sampled(llm.generate(TEXT, SEEDED, use_tqdm=False)[0])
+    assert sampled(llm.generate(TEXT, SEEDED, use_tqdm=False)[0]) == alone
+    others = ["USER: Describe the image. ASSISTANT:", "USER: How many shapes are there? ASSISTANT:"]
+    batch = llm.generate(
+        [others[0], TEXT, others[1]],
+        [SamplingParams(temperature=1.0, max_tokens=5), SEEDED, SamplingParams(n=2, seed=7, max_tokens=11)],
+        use_tqdm=False,
+    )
+    assert sampled(batch[1]) == alone
+
+
+def test_another_seed_gives_other_samples(llm):
+    other = SamplingParams(n=3, seed=4321, temperature=1.0, max_tokens=8, ignore_eos=True)
+    first, second = llm.generate([TEXT, TEXT], [SEEDED, other], use_tqdm=False)
+    assert sampled(first) != sampled(second)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_max_tokens_ends_with_length(llm, max_tokens):
+    output = generate_one(llm, TEXT, greedy(max_tokens))
+    assert len(output.token_ids) == max_tokens
+    assert (output.finish_reason, output.stop_reason) == ("length", None)
+
+
+def pick_stop_token(tokenizer, tokens):
+    """Index of an output token to stop on: its first occurrence, past the start, adding text of its own
+    after complete characters (so that whether its text is included shows)."""
+    return next(
+        k
+        for k in range(2, len(tokens))
+        if tokens[k] not in tokens[:k]
+        and not tokenizer.decode(tokens[:k]).endswith("\ufffd")
+        and tokenizer.decode(tokens[: k + 1]) != tokenizer.decode(tokens[:k])
+    )
+
+
+def test_a_stop_token_ends_the_output_with_stop(llm, tokenizer, greedy_reference):
+    tokens = greedy_reference.token_ids
+    k = pick_stop_token(tokenizer, tokens)
+    output = generate_one(llm, TEXT, greedy(12, stop_token_ids=[tokens[k]]))
+    assert output.token_ids == tokens[: k + 1]  # included in the token ids
+    assert (output.finish_reason, output.stop_reason) == ("stop", tokens[k])
+
+
+def test_a_stop_token_is_not_in_the_text(llm, tokenizer, greedy_reference):
+    tokens = greedy_reference.token_ids
+    k = pick_stop_token(tokenizer, tokens)
+    output = generate_one(llm, TEXT, greedy(12, stop_token_ids=[tokens[k]]))
+    assert output.text == tokenizer.decode(tokens[:k])
+
+
+def test_a_stop_string_ends_the_text_before_it(llm, tokenizer, greedy_reference):
+    text, tokens = greedy_reference.text, greedy_reference.token_ids
+    assert text == tokenizer.decode(tokens)
+    words = [m for m in re.finditer(r"[A-Za-z0-9]{2,}", text) if m.start() > len(text) // 3]
+    stop = words[0].group()  # a word that the greedy output really contains, not at its start
+    output = generate_one(llm, TEXT, greedy(12, stop=stop))
+    assert output.text == text[: text.index(stop)]
+    assert (output.finish_reason, output.stop_reason) == ("stop", stop)
+    # generation stopped at the token that completed the stop string
+    end = next(k for k in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:k]))
+    assert output.token_ids == tokens[:end]
+
+
+def test_logprobs_are_log_softmax_of_the_model_logits(llm, tiny_llava_dir):
+    output = llm.generate(TEXT, greedy(5, logprobs=2), use_tqdm=False)[0]
+    completion = output.outputs[0]
+    hf_model = HFLlava.from_pretrained(tiny_llava_dir).eval()
+    ids = torch.tensor([output.prompt_token_ids + completion.token_ids[:-1]])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf_model(input_ids=ids).logits[0].float(), dim=-1)
+    logprobs = logprobs[len(output.prompt_token_ids) - 1 :]  # the positions that predicted each output token
+    assert len(completion.logprobs) == len(completion.token_ids) == 5
+    for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        top2 = logprobs[step].topk(2).indices.tolist()
+        assert token == top2[0]  # greedy
+        assert set(entry) == set(top2)
+        for t, value in entry.items():
+            assert value == pytest.approx(float(logprobs[step, t]), abs=1e-4)
+
+
+def test_no_logprobs_unless_asked(llm):
+    assert generate_one(llm, TEXT, greedy(3)).logprobs is None
+
+
+def test_metrics_are_positive_times(llm):
+    output = generate_one(llm, TEXT, greedy(4))
+    metrics = output.metrics
+    assert metrics.num_output_tokens == 4
+    assert metrics.time_to_first_token > 0
+    assert metrics.time_per_output_token > 0
+    assert metrics.time_to_first_token <= metrics.finished_time - metrics.arrival_time
+
+
+# ---- context length ---------------------------------------------------------------------------------
+
+LONG = "USER: " + "What colour is the circle? " * 12 + "ASSISTANT:"
+
+
+@pytest.fixture(scope="module")
+def short_llm(tiny_llava_dir):
+    return make_llm(tiny_llava_dir, max_model_len=64)
+
+
+def test_a_prompt_longer_than_the_context_is_refused(short_llm, tokenizer):
+    assert len(tokenizer.encode(LONG)) > 64
+    with pytest.raises(ValueError, match="context is 64.*truncate_prompt_tokens"):
+        short_llm.generate(LONG, greedy(), use_tqdm=False)
+    assert not short_llm.engine.has_unfinished_requests()
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(short_llm, tokenizer):
+    kept = tokenizer.encode(LONG)[-40:]
+    output = short_llm.generate(LONG, greedy(4, truncate_prompt_tokens=40), use_tqdm=False)[0]
+    assert output.prompt_token_ids == kept
+    assert output.outputs[0].token_ids == generate_one(short_llm, kept, greedy(4)).token_ids
+
+
+def test_without_max_tokens_generation_runs_to_the_context_length(short_llm):
+    output = short_llm.generate(LONG, greedy(None, truncate_prompt_tokens=40), use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 64 - 40
+    assert output.outputs[0].finish_reason == "length"
+
+
+# ---- chat ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_image(tmp_path_factory):
+    image = random_images([(40, 40)], seed=11)[0]
+    path = tmp_path_factory.mktemp("chat") / "picture.png"
+    image.save(path)
+    return image, path
+
+
+def image_part(form, path):
+    if form == "data-url":
+        url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+        return {"type": "image_url", "image_url": {"url": url}}
+    if form == "path":
+        return {"type": "image_url", "image_url": {"url": str(path)}}
+    return {"type": "image_url", "image_url": path.as_uri()}  # the url given directly, as a file:// URL
+
+
+@pytest.mark.parametrize("form", ["data-url", "path", "file-url"])
+def test_chat_with_an_image_equals_generate_on_the_rendered_prompt(llm, chat_image, form):
+    image, path = chat_image
+    messages = [{"role": "user", "content": [image_part(form, path), {"type": "text", "text": "What is this?"}]}]
+    chat = llm.chat(messages, greedy(), use_tqdm=False)[0]
+    assert chat.prompt == IMAGE_TEXT  # the LLaVA-1.5 template: "USER: <image>\n<text> ASSISTANT:"
+    direct = llm.generate({"prompt": IMAGE_TEXT, "multi_modal_data": {"image": image}}, greedy(), use_tqdm=False)[0]
+    assert chat.outputs[0].token_ids == direct.outputs[0].token_ids
+
+
+def test_chat_takes_several_conversations_and_plain_string_content(llm):
+    conversations = [[{"role": "user", "content": "What is this?"}], [{"role": "user", "content": "Colour?"}]]
+    outputs = llm.chat(conversations, greedy(), use_tqdm=False)
+    assert [o.prompt for o in outputs] == ["USER: What is this? ASSISTANT:", "USER: Colour? ASSISTANT:"]
+    assert outputs[0].outputs[0].token_ids == generate_one(llm, TEXT, greedy()).token_ids
+
+
+def test_chat_rejects_an_unknown_content_part(llm):
+    with pytest.raises(ValueError, match="Unsupported content part type 'audio_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": "x"}]}], use_tqdm=False)
+
+
+def test_chat_on_a_model_without_a_chat_template_is_a_clear_error(tiny_fuyu_dir):
+    fuyu = make_llm(tiny_fuyu_dir)
+    with pytest.raises(ValueError, match="no chat template.*chat_template=.*generate"):
+        fuyu.chat([{"role": "user", "content": "What is this?"}], use_tqdm=False)
+
+
+# ---- options and text-only models -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["not_an_option", "hf_config"])
+def test_an_unknown_option_is_refused(tiny_llava_dir, option):
+    with pytest.raises(ValueError, match=f"Unknown LLM option '{option}'"):
+        LLM(str(tiny_llava_dir), **{option: 1})
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tokenizer = build_tokenizer("llava")
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return make_llm(tiny_llama_dir)
+
+
+def test_a_text_only_model_matches_hf_generate(tiny_llama_dir, tokenizer):
+    prompts = ["The circle is red.", "How many squares are there?"]
+    llama = make_llm(tiny_llama_dir)  # its own: a failure here must not leave requests in a shared engine
+    ours = [o.outputs[0].token_ids for o in llama.generate(prompts, greedy(10), use_tqdm=False)]
+    hf_model = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    for prompt, tokens in zip(prompts, ours):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.no_grad():
+            out = hf_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+        assert tokens == out[0, ids.shape[1] :].tolist()
+
+
+def test_a_text_only_model_refuses_images(llama):
+    prompt = {"prompt": "What is this?", "multi_modal_data": {"image": random_images([(16, 16)])}}
+    with pytest.raises(ValueError, match="LlamaForCausalLM is a text-only model"):
+        llama.generate(prompt, greedy(), use_tqdm=False)
+    assert not llama.engine.has_unfinished_requests()
