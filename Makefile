@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench bench-engine clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,12 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_processor.py
+
+bench-engine: $(STAMP)
+	$(PY) benchmarks/bench_throughput.py
+	$(PY) benchmarks/bench_throughput.py --dtype bfloat16 --hf-batches 8 16
+	$(PY) benchmarks/bench_prefix_cache.py
+	$(PY) benchmarks/bench_decode_roofline.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info

@@ -34,8 +34,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[num_tokens] cache slot of each new token."""
 
-    context_slots: list[torch.Tensor]
-    """Per sequence, [context_len] slots of all its tokens, in order."""
+    context_blocks: list[torch.Tensor]
+    """Per sequence, the blocks holding its context, in order."""
 
     decode_rows: torch.Tensor
     """[num_decode] batch rows of the sequences with a single new token, attended in one batch."""
@@ -54,7 +54,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
-        context_slots, new_slots = [], []
+        context_blocks, new_slots = [], []
         for query_len, context_len, blocks in zip(query_lens, context_lens, block_tables):
             if query_len > context_len:
                 raise ValueError(f"query_len {query_len} exceeds context_len {context_len}")
@@ -64,7 +64,7 @@ class AttentionMetadata:
             slots = torch.as_tensor(blocks, dtype=torch.long)[positions // block_size] * block_size + (
                 positions % block_size
             )
-            context_slots.append(slots.to(device))
+            context_blocks.append(torch.as_tensor(blocks[: -(-context_len // block_size)], dtype=torch.long).to(device))
             new_slots.append(slots[context_len - query_len :])
         slot_mapping = torch.cat(new_slots).to(device) if new_slots else torch.empty(0, dtype=torch.long)
         decode = [i for i, n in enumerate(query_lens) if n == 1]
@@ -80,7 +80,7 @@ class AttentionMetadata:
             list(query_lens),
             list(context_lens),
             slot_mapping,
-            context_slots,
+            context_blocks,
             decode_rows=starts[decode].to(device),
             decode_block_tables=tables.to(device),
             decode_mask=mask.to(device),
@@ -133,24 +133,27 @@ class PagedAttention(nn.Module):
         self.k_cache[blocks, :, offsets] = k.to(self.k_cache.dtype)
         self.v_cache[blocks, :, offsets] = v.to(self.v_cache.dtype)
 
+        if len(metadata.decode_rows) == q.shape[0]:  # a pure decode step
+            return self._decode(q, metadata)
         out = torch.empty_like(q)
         if len(metadata.decode_rows):
             out[metadata.decode_rows] = self._decode(q[metadata.decode_rows], metadata)
         start = 0
-        for query_len, context_len, slots in zip(metadata.query_lens, metadata.context_lens, metadata.context_slots):
+        for query_len, context_len, blocks in zip(metadata.query_lens, metadata.context_lens, metadata.context_blocks):
             if query_len > 1:
-                out[start : start + query_len] = self._prefill(q[start : start + query_len], slots, context_len)
+                out[start : start + query_len] = self._prefill(q[start : start + query_len], blocks, context_len)
             start += query_len
         return out
 
-    def _prefill(self, q: torch.Tensor, slots: torch.Tensor, context_len: int) -> torch.Tensor:
-        """One sequence's chunk: q [n, H, D] over its context [context_len] -> [n, H, D]."""
+    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, context_len: int) -> torch.Tensor:
+        """One sequence's chunk: q [n, H, D] over its context of `context_len` tokens -> [n, H, D]."""
         group = self.num_heads // self.num_kv_heads
-        block_size = self.k_cache.shape[2]
-        blocks, offsets = slots // block_size, slots % block_size
-        # repeat kv heads: SDPA's enable_gqa path is very slow on CPU
-        k = self.k_cache[blocks, :, offsets].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, ctx, D]
-        v = self.v_cache[blocks, :, offsets].to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        # [blocks, Hkv, block_size, D] -> [H, ctx, D]; kv heads repeated: SDPA's enable_gqa path is slow on CPU
+        k, v = (
+            cache.index_select(0, blocks).transpose(0, 1).flatten(1, 2)[:, :context_len]
+            .to(q.dtype).repeat_interleave(group, dim=0)
+            for cache in (self.k_cache, self.v_cache)
+        )  # fmt: skip
         query_len = q.shape[0]
         # Query j sits at position context_len - query_len + j and sees keys up to it.
         mask = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device).tril(context_len - query_len)
@@ -160,9 +163,13 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """All single-token sequences at once, block by block: q [B, H, D] -> [B, H, D]."""
         batch, group = q.shape[0], self.num_heads // self.num_kv_heads
-        k = self.k_cache[metadata.decode_block_tables].to(q.dtype)  # [B, blocks, Hkv, block_size, D]
-        v = self.v_cache[metadata.decode_block_tables].to(q.dtype)
-        num_blocks, block_size = k.shape[1], k.shape[3]
+        tables = metadata.decode_block_tables
+        num_blocks, block_size = tables.shape[1], self.k_cache.shape[2]
+        # index_select: several times faster than advanced indexing on CPU
+        k, v = (
+            cache.index_select(0, tables.flatten()).view(batch, num_blocks, *cache.shape[1:]).to(q.dtype)
+            for cache in (self.k_cache, self.v_cache)
+        )  # [B, blocks, Hkv, block_size, D]
         q = q.view(batch, 1, self.num_kv_heads, group, self.head_dim)  # heads of a kv group are adjacent
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [B, blocks, Hkv, group, block_size]
         mask = metadata.decode_mask.view(batch, num_blocks, 1, 1, block_size)

@@ -28,6 +28,8 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
         self._inv_freq: Optional[torch.Tensor] = None  # built on first use: the model may be created on "meta"
         self.attention_scaling = 1.0
+        # Layers share one instance and one positions tensor per step: compute cos/sin once.
+        self._cached: Optional[tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor]] = None
 
     def _frequencies(self, device: torch.device) -> torch.Tensor:
         if self._inv_freq is None or self._inv_freq.device != device:
@@ -37,11 +39,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, H, D], k [T, Hkv, D] -> rotated q, k (same shapes)."""
-        inv_freq = self._frequencies(q.device)
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]  # [T, 1, rotary_dim]
-        sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]
+        cached = self._cached
+        if cached is None or cached[0] is not positions or cached[1] != q.dtype:
+            inv_freq = self._frequencies(q.device)
+            freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim / 2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]  # [T, 1, rotary_dim]
+            sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]
+            cached = self._cached = (positions, q.dtype, cos, sin)
+        _, _, cos, sin = cached
         return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
 
 

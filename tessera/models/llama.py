@@ -21,7 +21,7 @@ from tessera.models.causal_lm import CausalLM
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -31,7 +31,7 @@ class LlamaAttention(nn.Module):
         shards = {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}
         self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim)
+        self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -59,9 +59,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, rotary_emb)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -75,7 +75,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        rotary_emb = RotaryEmbedding(
+            config, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )  # one for all layers: cos/sin once per step
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(

@@ -20,7 +20,7 @@ from tessera.models.causal_lm import CausalLM
 
 
 class PersimmonAttention(nn.Module):
-    def __init__(self, config: PersimmonConfig) -> None:
+    def __init__(self, config: PersimmonConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.num_heads
@@ -30,7 +30,7 @@ class PersimmonAttention(nn.Module):
         if self.qk_layernorm:
             self.q_layernorm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
             self.k_layernorm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim)
+        self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_heads, scale=self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -55,9 +55,9 @@ class PersimmonMLP(nn.Module):
 
 
 class PersimmonDecoderLayer(nn.Module):
-    def __init__(self, config: PersimmonConfig) -> None:
+    def __init__(self, config: PersimmonConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = PersimmonAttention(config)
+        self.self_attn = PersimmonAttention(config, rotary_emb)
         self.mlp = PersimmonMLP(config)
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -71,7 +71,10 @@ class PersimmonModel(nn.Module):
     def __init__(self, config: PersimmonConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(PersimmonDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        rotary_emb = RotaryEmbedding(
+            config, config.hidden_size // config.num_attention_heads
+        )  # one for all layers: cos/sin once per step
+        self.layers = nn.ModuleList(PersimmonDecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
         self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(

@@ -50,7 +50,7 @@ def test_slot_mapping_follows_the_block_tables():
     metadata = AttentionMetadata.build([3, 1], [6, 5], [[7, 2], [4, 9]], block_size=4)
     # seq 0: new tokens 3..5 -> block 7 slot 3, block 2 slots 0-1; seq 1: token 4 -> block 9 slot 0
     assert metadata.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 9 * 4 + 0]
-    assert metadata.context_slots[1].tolist() == [16, 17, 18, 19, 36]
+    assert metadata.context_blocks[1].tolist() == [4, 9]
 
 
 def test_too_few_blocks_is_an_error():

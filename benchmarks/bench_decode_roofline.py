@@ -1,0 +1,54 @@
+"""Decode roofline: batch-1 decode reads every language-model weight once per token, so its
+speed is bounded by memory bandwidth. Prints decode tokens/s x weight bytes / measured read
+bandwidth (goal >= 0.6).
+
+    .venv/bin/python benchmarks/bench_decode_roofline.py [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_model import bench_model  # noqa: E402
+from tessera import LLM, SamplingParams  # noqa: E402
+
+
+def read_bandwidth(num_bytes: int = 1 << 30) -> float:
+    """Bytes/s of summing a buffer far larger than the caches (best of a few)."""
+    buffer = torch.ones(num_bytes // 4)
+    buffer.sum()
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    llm = LLM(str(bench_model()), kv_cache_memory="1GiB")
+    lm = llm.engine.model.language_model
+    # Every weight is read once per token; the tied embedding once (as lm_head; the lookup reads a row).
+    weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    (output,) = llm.generate("USER: Tell me a long story about a lighthouse. ASSISTANT:", params, use_tqdm=False)
+    metrics = output.outputs[0].metrics
+    tokens_per_s = 1 / metrics.time_per_output_token
+    bandwidth = read_bandwidth()
+    print(f"batch-1 decode {tokens_per_s:.1f} tokens/s; language-model weights {weight_bytes / 2**20:.0f} MiB")
+    print(f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s -> roofline {bandwidth / weight_bytes:.1f} tokens/s")
+    print(f"decode roofline fraction {tokens_per_s * weight_bytes / bandwidth:.2f}  (goal >= 0.6)")
+
+
+if __name__ == "__main__":
+    main()
