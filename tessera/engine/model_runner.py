@@ -13,6 +13,7 @@ import torch
 
 from ..layers.attention import AttentionMetadata, attention_metadata
 from ..layers.kv_cache import allocate_kv_cache
+from ..layers.linear import pack_linears_for_cpu
 from ..layers.sampler import SamplerOutput, sample
 from ..models.interfaces import supports_multimodal
 from ..multimodal.inputs import MultiModalKwargs
@@ -27,6 +28,8 @@ class ModelRunner:
     ) -> None:
         self.model, self.block_size, self.device = model, block_size, device
         allocate_kv_cache(model, num_blocks, block_size, dtype, device)
+        if torch.device(device).type == "cpu":
+            pack_linears_for_cpu(model)
 
     @torch.inference_mode()
     def execute(

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..layers.linear import Linear
+
 
 class CausalLM(nn.Module):
     """`model` maps ids or embeddings [T(, hidden)] and positions [T] to hidden states [T, hidden];
@@ -17,7 +19,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = model
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -31,6 +33,5 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab]. Computed as (W @ h^T)^T: for a few rows against a large
-        vocabulary this orientation runs ~20% faster on CPU BLAS."""
-        return torch.mm(self.lm_head.weight, hidden_states.t()).t()
+        """[n, hidden] -> [n, vocab]."""
+        return self.lm_head(hidden_states)

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import CLIPVisionConfig
 
 from tessera.layers.activations import get_activation
-from tessera.layers.linear import MergedLinear
+from tessera.layers.linear import Linear, MergedLinear
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -42,7 +42,7 @@ class CLIPAttention(nn.Module):
         self.head_dim = config.hidden_size // self.num_heads
         shards = {"q_proj": config.hidden_size, "k_proj": config.hidden_size, "v_proj": config.hidden_size}
         self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=True)
-        self.out_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, length, _ = x.shape
@@ -57,8 +57,8 @@ class CLIPAttention(nn.Module):
 class CLIPMLP(nn.Module):
     def __init__(self, config: CLIPVisionConfig) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.fc1 = Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = Linear(config.intermediate_size, config.hidden_size)
         self.act = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import BatchFeature, FuyuConfig, FuyuImageProcessor, FuyuProcessor
 
+from tessera.layers.linear import Linear
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
 from tessera.models.persimmon import PersimmonForCausalLM
 from tessera.models.utils import module_dtype_device
@@ -149,7 +150,7 @@ class FuyuForCausalLM(nn.Module, SupportsMultiModal):
         super().__init__()
         self.config = config
         patch_dim = config.patch_size * config.patch_size * config.num_channels
-        self.vision_embed_tokens = nn.Linear(patch_dim, config.hidden_size)
+        self.vision_embed_tokens = Linear(patch_dim, config.hidden_size)
         self.language_model = PersimmonForCausalLM(config.text_config)
         # The |SPEAKER| id is the tokenizer's and FuyuConfig 4.48 lacks it: merging by token id needs
         # it set; the engine merges by the placeholders' is_embed mask instead.

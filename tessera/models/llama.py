@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from tessera.layers.activations import get_activation
 from tessera.layers.attention import PagedAttention
 from tessera.layers.layernorm import RMSNorm
-from tessera.layers.linear import MergedLinear
+from tessera.layers.linear import Linear, MergedLinear
 from tessera.layers.rotary import RotaryEmbedding
 from tessera.models.causal_lm import CausalLM
 
@@ -30,7 +30,7 @@ class LlamaAttention(nn.Module):
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shards = {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}
         self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5)
 
@@ -50,7 +50,7 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         shards = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
         self.gate_up_proj = MergedLinear(config.hidden_size, shards, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import BatchFeature, LlavaConfig, LlavaProcessor
 
 from tessera.layers.activations import get_activation
+from tessera.layers.linear import Linear
 from tessera.models.clip import CLIPVisionModel
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
 from tessera.models.llama import LlamaForCausalLM
@@ -104,9 +105,9 @@ class LlavaMultiModalProjector(nn.Module):
         super().__init__()
         bias = getattr(config, "multimodal_projector_bias", True)
         vision_hidden = config.vision_config.hidden_size * num_feature_layers
-        self.linear_1 = nn.Linear(vision_hidden, config.text_config.hidden_size, bias=bias)
+        self.linear_1 = Linear(vision_hidden, config.text_config.hidden_size, bias=bias)
         self.act = get_activation(config.projector_hidden_act)
-        self.linear_2 = nn.Linear(config.text_config.hidden_size, config.text_config.hidden_size, bias=bias)
+        self.linear_2 = Linear(config.text_config.hidden_size, config.text_config.hidden_size, bias=bias)
 
     def forward(self, image_features: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(image_features)))

@@ -15,6 +15,7 @@ from transformers import PersimmonConfig
 
 from tessera.layers.activations import get_activation
 from tessera.layers.attention import PagedAttention
+from tessera.layers.linear import Linear
 from tessera.layers.rotary import RotaryEmbedding
 from tessera.models.causal_lm import CausalLM
 
@@ -24,8 +25,8 @@ class PersimmonAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.num_heads
-        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.query_key_value = Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.dense = Linear(config.hidden_size, config.hidden_size, bias=True)
         self.qk_layernorm = config.qk_layernorm
         if self.qk_layernorm:
             self.q_layernorm = nn.LayerNorm(self.head_dim, eps=config.layer_norm_eps)
@@ -46,8 +47,8 @@ class PersimmonAttention(nn.Module):
 class PersimmonMLP(nn.Module):
     def __init__(self, config: PersimmonConfig) -> None:
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.dense_h_to_4h = Linear(config.hidden_size, config.intermediate_size)
+        self.dense_4h_to_h = Linear(config.intermediate_size, config.hidden_size)
         self.act = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
