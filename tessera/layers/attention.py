@@ -155,7 +155,10 @@ class PagedAttention(nn.Module):
             for cache in (self.k_cache, self.v_cache)
         )  # fmt: skip
         query_len = q.shape[0]
-        # Query j sits at position context_len - query_len + j and sees keys up to it.
+        if query_len == context_len:  # a whole prompt: the fused causal kernel, no mask tensor
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=self.scale)
+            return out.transpose(0, 1)
+        # A chunk after cached tokens: query j sits at position context_len - query_len + j.
         mask = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device).tril(context_len - query_len)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=self.scale)
         return out.transpose(0, 1)
