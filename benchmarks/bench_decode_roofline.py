@@ -35,11 +35,16 @@ def read_bandwidth(num_bytes: int = 1 << 30) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    llm = LLM(str(bench_model()), kv_cache_memory="1GiB")
-    lm = llm.engine.model.language_model
-    # Every weight is read once per token; the tied embedding once (as lm_head; the lookup reads a row).
-    weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())
+    llm = LLM(str(bench_model()), kv_cache_memory="1GiB", dtype=args.dtype)
+    # Every weight is read once per token; the tied embedding once (as lm_head; the lookup reads a
+    # row). Counted on the meta device: the engine keeps its linears packed, not dense.
+    with torch.device("meta"):
+        lm = type(llm.engine.model)(llm.engine.model_config.hf_config).language_model
+    weight_bytes = (
+        sum(p.numel() for p in lm.parameters()) * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    )
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     (output,) = llm.generate("USER: Tell me a long story about a lighthouse. ASSISTANT:", params, use_tqdm=False)
     metrics = output.outputs[0].metrics

@@ -49,9 +49,15 @@ def matmul_flops_per_second(dtype: torch.dtype) -> float:
     return best
 
 
-def workload_flops(llm: LLM, prompt_len: int) -> float:
-    """2 x parameters per token for every matmul, plus attention scores and values."""
-    model = llm.engine.model
+def workload_flops(folder: Path, prompt_len: int) -> float:
+    """2 x parameters per token for every matmul, plus attention scores and values. Parameter
+    counts come from the model built on the meta device (the engine drops packed dense weights)."""
+    from tessera.config import ModelConfig
+    from tessera.models.llava import LlavaForConditionalGeneration
+
+    config = ModelConfig(str(folder), device="cpu").hf_config
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(config)
     vision_params = sum(p.numel() for p in model.vision_tower.parameters())
     vision_params += sum(p.numel() for p in model.multi_modal_projector.parameters())
     lm = model.language_model
@@ -59,8 +65,8 @@ def workload_flops(llm: LLM, prompt_len: int) -> float:
     head_params = lm.lm_head.weight.numel()
     cfg = lm.config
     attn_width = cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    vision_tokens = (224 // 16) ** 2 + 1
-    vcfg = model.config.vision_config
+    vcfg = config.vision_config
+    vision_tokens = (vcfg.image_size // vcfg.patch_size) ** 2 + 1
     vision = 2 * vision_params * vision_tokens + 4 * vcfg.num_hidden_layers * vision_tokens**2 * vcfg.hidden_size
     prefill = 2 * layer_params * prompt_len + 2 * head_params + 2 * cfg.num_hidden_layers * prompt_len**2 * attn_width
     decode = 0.0
@@ -70,7 +76,7 @@ def workload_flops(llm: LLM, prompt_len: int) -> float:
     return NUM_REQUESTS * (vision + prefill + decode)
 
 
-def run_tessera(folder: Path, dtype: str) -> tuple[float, LLM, int]:
+def run_tessera(folder: Path, dtype: str) -> tuple[float, int]:
     prompts, images = workload()
     llm = LLM(str(folder), dtype=dtype, kv_cache_memory="2GiB")
     requests = [{"prompt": p, "multi_modal_data": {"image": im}} for p, im in zip(prompts, images)]
@@ -79,7 +85,7 @@ def run_tessera(folder: Path, dtype: str) -> tuple[float, LLM, int]:
     outputs = llm.generate(requests, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == OUTPUT_TOKENS for o in outputs)
-    return elapsed, llm, len(outputs[0].prompt_token_ids)
+    return elapsed, len(outputs[0].prompt_token_ids)
 
 
 def run_hf(folder: Path, dtype: torch.dtype, batch_size: int) -> float:
@@ -109,10 +115,9 @@ def main() -> None:
     folder = bench_model()
     total_tokens = NUM_REQUESTS * OUTPUT_TOKENS
 
-    elapsed, llm, prompt_len = run_tessera(folder, args.dtype)
-    flops = workload_flops(llm, prompt_len)
-    del llm
+    elapsed, prompt_len = run_tessera(folder, args.dtype)
     gc.collect()
+    flops = workload_flops(folder, prompt_len)
     results = {"Tessera": total_tokens / elapsed}
     for batch in args.hf_batches:
         results[f"HF generate, batch {batch}"] = total_tokens / run_hf(folder, torch_dtype, batch)

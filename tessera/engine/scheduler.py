@@ -28,8 +28,8 @@ class ScheduledRequest:
     shared: list[str] = field(default_factory=list)
     """Hashes of items this request needs that another request encodes this step."""
 
-    cached: list[str] = field(default_factory=list)
-    """Hashes of items this request needs that the encoder cache holds."""
+    cached: list[MultiModalItem] = field(default_factory=list)
+    """Items this request needs that the encoder cache holds."""
 
 
 @dataclass
@@ -115,7 +115,7 @@ class Scheduler:
             if item.hash in encoding or any(item.hash == i.hash for i in step.encode):
                 continue  # encoded this step already (for another request, or a repeat in this one)
             if item.hash in self.encoder_cache.entries:  # referenced once the step is committed
-                step.cached.append(item.hash)
+                step.cached.append(item)
                 continue
             pending = used + sum(i.num_embeds for i in step.encode)
             if item.num_embeds > budget_left or not self.encoder_cache.can_fit(item.num_embeds, pending):
@@ -127,6 +127,7 @@ class Scheduler:
             return None
         end = start + step.num_new_tokens
         step.encode = [item for item in step.encode if item.start < end]
+        step.cached = [item for item in step.cached if item.start < end]
         step.shared = [i.hash for i in request.items_overlapping(start, end) if i.hash in encoding]
         return step
 
@@ -136,8 +137,8 @@ class Scheduler:
             self._rows[item.hash] = item.num_embeds
         for item_hash in step.shared:
             encoding[item_hash].add(step.request.request_id)
-        for item_hash in step.cached:
-            self.encoder_cache.lookup(item_hash, step.request.request_id)
+        for item in step.cached:
+            self.encoder_cache.lookup(item.hash, step.request.request_id)
         scheduled.append(step)
 
     def _preempt(self, request: Request) -> None:
