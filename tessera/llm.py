@@ -100,10 +100,22 @@ class LLM:
         {"type": "text", "text": ...} and {"type": "image_url", "image_url": {"url": ...}} parts
         (data URLs or local paths), rendered through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [self._render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _render_chat(self, messages: Sequence[Message], add_generation_prompt: bool, chat_template: Optional[str]):
+    def _chat_renderer(self) -> Any:
+        return self.engine.processor.info.get_hf_processor() if self.engine.processor else self.engine.tokenizer
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The model's chat template (its processor's, else its tokenizer's), if it has one."""
+        return getattr(self._chat_renderer(), "chat_template", None)
+
+    def render_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, chat_template: Optional[str] = None
+    ) -> dict:
+        """The engine prompt for an OpenAI-style conversation: text through the chat template,
+        images loaded in order."""
         images, hf_messages = [], []
         for message in messages:
             content = message.get("content")
@@ -122,8 +134,8 @@ class LLM:
                 else:
                     raise ValueError(f"Unsupported content part type {kind!r}; use 'text' or 'image_url'")
             hf_messages.append({"role": message["role"], "content": parts})
-        renderer = self.engine.processor.info.get_hf_processor() if self.engine.processor else self.engine.tokenizer
-        template = chat_template or getattr(renderer, "chat_template", None)
+        renderer = self._chat_renderer()
+        template = chat_template or self.chat_template
         if template is None:
             raise ValueError("This model has no chat template; pass chat_template=... or use generate().")
         prompt = renderer.apply_chat_template(

@@ -1,0 +1,1 @@
+"""User-facing entry points: the command line (and, later, the HTTP server)."""

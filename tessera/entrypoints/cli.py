@@ -1,0 +1,162 @@
+"""The `tessera` command: ask a model about images from the shell, or chat with it.
+
+tessera generate "What colour is the circle?" --image photo.png
+tessera chat --model path/to/model
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+from ..multimodal.media import load_image_url
+from ..sampling_params import SamplingParams
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessera", description="Run vision-language models locally.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    generate = commands.add_parser("generate", help="answer one prompt (with images) and exit",
+                                   description="Answer one prompt, streaming the answer to stdout.")  # fmt: skip
+    generate.add_argument("prompt", help="the question or instruction")
+    generate.add_argument("--image", action="append", default=[], metavar="PATH", help="an image (repeatable)")
+    _common_options(generate)
+
+    chat = commands.add_parser("chat", help="chat in the terminal",
+                               description="Chat with the model. Commands: /image PATH attaches an image to "
+                               "the next message, /reset clears the history, /exit quits.")  # fmt: skip
+    _common_options(chat)
+    return parser
+
+
+def _common_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, metavar="FOLDER",
+                        help="a local Hugging Face model folder (default: the bundled demo model)")  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, default=128, help="longest answer in tokens (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default), higher for variety")
+
+
+def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        llm = _load(args.model, stdout)
+        if args.command == "generate":
+            messages = [_user_message(args.prompt, args.image)]
+            _stream_answer(llm, messages, params, stdout)
+        else:
+            _chat(llm, params, stdin, stdout)
+    except (ValueError, OSError) as e:  # the user's input: one clear line, no traceback
+        print(f"tessera: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _load(model: Optional[str], out: TextIO) -> Any:
+    folder = Path(model) if model else DEFAULT_MODEL
+    if not (folder / "config.json").is_file():
+        hint = "" if model else " (no demo model is bundled with this install)"
+        raise ValueError(f"{folder} is not a model folder: it has no config.json{hint}; pass --model FOLDER.")
+    print(f"Loading {folder} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    from ..llm import LLM  # heavy imports only once the arguments are known to be good
+
+    llm = LLM(str(folder), kv_cache_memory="256MiB")
+    print(f"Ready in {time.perf_counter() - start:.1f} s.", file=sys.stderr, flush=True)
+    return llm
+
+
+def _user_message(text: str, images: Sequence[str]) -> dict:
+    for path in images:
+        if not Path(path).is_file():
+            raise ValueError(f"Image file {path} does not exist.")
+    parts: list[dict] = [{"type": "image_url", "image_url": {"url": str(Path(p).resolve())}} for p in images]
+    parts.append({"type": "text", "text": text})
+    return {"role": "user", "content": parts}
+
+
+def stream_chat(llm: Any, messages: list[dict], params: SamplingParams) -> Iterator[str]:
+    """Yield the reply to `messages` piece by piece as the engine produces it."""
+    engine = llm.engine
+    if llm.chat_template is not None:
+        prompt = llm.render_chat(messages)
+    else:  # e.g. Fuyu: no template; the last message's text and images go in as they are
+        parts = messages[-1]["content"]
+        text = " ".join(p["text"] for p in parts if p["type"] == "text")
+        images = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
+        prompt = {
+            "prompt": text,
+            "multi_modal_data": {"image": [load_image_url(u, allow_any_local=True) for u in images]},
+        }
+    request_id = f"cli-{time.monotonic_ns()}"
+    engine.add_request(request_id, prompt, params)
+    printed = 0
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id == request_id:
+                    text = output.outputs[0].text
+                    if len(text) > printed:
+                        yield text[printed:]
+                        printed = len(text)
+    finally:
+        engine.abort_request(request_id)
+
+
+def _stream_answer(llm: Any, messages: list[dict], params: SamplingParams, out: TextIO) -> str:
+    answer = ""
+    for piece in stream_chat(llm, messages, params):
+        answer += piece
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    return answer
+
+
+def _chat(llm: Any, params: SamplingParams, stdin: TextIO, out: TextIO) -> None:
+    history: list[dict] = []
+    images: list[str] = []
+    out.write("Chat with the model. /image PATH attaches an image, /reset clears the history, /exit quits.\n")
+    while True:
+        out.write("> ")
+        out.flush()
+        line = stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/reset":
+            history, images = [], []
+            out.write("(history cleared)\n")
+            continue
+        if line.startswith("/image"):
+            path = line[len("/image") :].strip()
+            if not Path(path).is_file():
+                out.write(f"(no such image file: {path})\n")
+            else:
+                images.append(path)
+                out.write(f"(attached {path})\n")
+            continue
+        history.append(_user_message(line, images))
+        images = []
+        try:
+            answer = _stream_answer(llm, history, params, out)
+        except ValueError as e:  # e.g. too many images: report it, drop the turn, keep chatting
+            history.pop()
+            out.write(f"(error: {e})\n")
+            continue
+        history.append({"role": "assistant", "content": answer})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

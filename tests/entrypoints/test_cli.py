@@ -1,0 +1,93 @@
+"""The `tessera` command line, run in-process on the tiny checkpoints."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from tessera import LLM, SamplingParams
+from tessera.entrypoints.cli import main
+from tests.multimodal.test_processing import random_images
+
+
+@pytest.fixture(scope="module")
+def image_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("images") / "scene.png"
+    random_images([(40, 30)], seed=3)[0].save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llava_dir, image_file):
+    """What the offline API answers for the same conversation."""
+    llm = LLM(str(tiny_llava_dir), kv_cache_memory="64MiB")
+    message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(image_file)}},
+                                           {"type": "text", "text": "What is this?"}]}  # fmt: skip
+    (with_image,) = llm.chat([message], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    text_only = {"role": "user", "content": [{"type": "text", "text": "Hello"}]}
+    (without,) = llm.chat([text_only], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    return with_image.outputs[0].text, without.outputs[0].text
+
+
+def run(argv, stdin=""):
+    out = io.StringIO()
+    code = main(argv, stdin=io.StringIO(stdin), stdout=out)
+    return code, out.getvalue()
+
+
+def test_generate_with_an_image_streams_the_answer(tiny_llava_dir, image_file, reference):
+    code, out = run(["generate", "What is this?", "--image", str(image_file), "--model", str(tiny_llava_dir),
+                     "--max-tokens", "8"])  # fmt: skip
+    assert code == 0
+    assert out == reference[0] + "\n"
+
+
+def test_generate_without_images(tiny_llava_dir, reference):
+    code, out = run(["generate", "Hello", "--model", str(tiny_llava_dir), "--max-tokens", "8"])
+    assert (code, out) == (0, reference[1] + "\n")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "Hi", "--image", "/no/such.png"], "Image file /no/such.png does not exist"),
+        (["generate", "Hi", "--model", "/no/such/model"], "/no/such/model is not a model folder"),
+    ],
+)
+def test_bad_paths_print_one_line_and_fail(tiny_llava_dir, capsys, argv, message):
+    if "--model" not in argv:
+        argv = [*argv, "--model", str(tiny_llava_dir)]
+    code, _ = run(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith("tessera: error:") and message in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_unreadable_image_is_a_clean_error(tiny_llava_dir, tmp_path, capsys):
+    bad = tmp_path / "broken.png"
+    bad.write_bytes(b"not an image at all")
+    code, _ = run(["generate", "Hi", "--image", str(bad), "--model", str(tiny_llava_dir)])
+    err = capsys.readouterr().err
+    assert code == 1 and "could not be decoded" in err and "Traceback" not in err
+
+
+def test_chat_attaches_images_resets_and_exits(tiny_llava_dir, image_file, reference):
+    script = f"/image {image_file}\nWhat is this?\n/reset\nHello\n/image /missing.png\n/exit\n"
+    code, out = run(["chat", "--model", str(tiny_llava_dir), "--max-tokens", "8"], stdin=script)
+    assert code == 0
+    assert f"(attached {image_file})" in out
+    assert reference[0] + "\n" in out  # first turn: the image question
+    assert "(history cleared)" in out
+    assert reference[1] + "\n" in out  # after /reset the second turn starts a fresh conversation
+    assert "(no such image file: /missing.png)" in out
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"]])
+def test_every_command_has_help(command):
+    result = subprocess.run([sys.executable, "-m", "tessera.entrypoints.cli", *command, "--help"],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0 and "usage: tessera" in result.stdout
