@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(PY) examples/process_image_prompt.py
+	$(VENV)/bin/tessera generate "Describe the image." --image examples/three_shapes.png
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_processor.py

@@ -131,8 +131,11 @@ class LLM:
                     url = part["image_url"]["url"] if isinstance(part["image_url"], Mapping) else part["image_url"]
                     images.append(load_image_url(url, allow_any_local=True))
                     parts.append({"type": "image"})
+                elif kind == "image_pil":  # an in-memory image (vLLM's part type for the offline API)
+                    images.append(part["image_pil"])
+                    parts.append({"type": "image"})
                 else:
-                    raise ValueError(f"Unsupported content part type {kind!r}; use 'text' or 'image_url'")
+                    raise ValueError(f"Unsupported content part type {kind!r}; use 'text', 'image_url' or 'image_pil'")
             hf_messages.append({"role": message["role"], "content": parts})
         renderer = self._chat_renderer()
         template = chat_template or self.chat_template

@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from PIL import Image
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers import LlavaForConditionalGeneration as HFLlava
 
@@ -246,10 +247,12 @@ def image_part(form, path):
         return {"type": "image_url", "image_url": {"url": url}}
     if form == "path":
         return {"type": "image_url", "image_url": {"url": str(path)}}
+    if form == "pil":
+        return {"type": "image_pil", "image_pil": Image.open(path)}
     return {"type": "image_url", "image_url": path.as_uri()}  # the url given directly, as a file:// URL
 
 
-@pytest.mark.parametrize("form", ["data-url", "path", "file-url"])
+@pytest.mark.parametrize("form", ["data-url", "path", "file-url", "pil"])
 def test_chat_with_an_image_equals_generate_on_the_rendered_prompt(llm, chat_image, form):
     image, path = chat_image
     messages = [{"role": "user", "content": [image_part(form, path), {"type": "text", "text": "What is this?"}]}]

@@ -13,10 +13,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from .. import DEMO_MODEL
 from ..multimodal.media import load_image_url
 from ..sampling_params import SamplingParams
-
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "demo_model"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +61,7 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
 
 
 def _load(model: Optional[str], out: TextIO) -> Any:
-    folder = Path(model) if model else DEFAULT_MODEL
+    folder = Path(model) if model else DEMO_MODEL
     if not (folder / "config.json").is_file():
         hint = "" if model else " (no demo model is bundled with this install)"
         raise ValueError(f"{folder} is not a model folder: it has no config.json{hint}; pass --model FOLDER.")
@@ -115,6 +114,8 @@ def stream_chat(llm: Any, messages: list[dict], params: SamplingParams) -> Itera
 def _stream_answer(llm: Any, messages: list[dict], params: SamplingParams, out: TextIO) -> str:
     answer = ""
     for piece in stream_chat(llm, messages, params):
+        if not answer:  # the reply usually starts with the space after "ASSISTANT:"; don't print it
+            piece = piece.lstrip()
         answer += piece
         out.write(piece)
         out.flush()

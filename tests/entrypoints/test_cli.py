@@ -42,12 +42,12 @@ def test_generate_with_an_image_streams_the_answer(tiny_llava_dir, image_file, r
     code, out = run(["generate", "What is this?", "--image", str(image_file), "--model", str(tiny_llava_dir),
                      "--max-tokens", "8"])  # fmt: skip
     assert code == 0
-    assert out == reference[0] + "\n"
+    assert out == reference[0].lstrip() + "\n"
 
 
 def test_generate_without_images(tiny_llava_dir, reference):
     code, out = run(["generate", "Hello", "--model", str(tiny_llava_dir), "--max-tokens", "8"])
-    assert (code, out) == (0, reference[1] + "\n")
+    assert (code, out) == (0, reference[1].lstrip() + "\n")
 
 
 @pytest.mark.parametrize(
@@ -80,9 +80,9 @@ def test_chat_attaches_images_resets_and_exits(tiny_llava_dir, image_file, refer
     code, out = run(["chat", "--model", str(tiny_llava_dir), "--max-tokens", "8"], stdin=script)
     assert code == 0
     assert f"(attached {image_file})" in out
-    assert reference[0] + "\n" in out  # first turn: the image question
+    assert reference[0].lstrip() + "\n" in out  # first turn: the image question
     assert "(history cleared)" in out
-    assert reference[1] + "\n" in out  # after /reset the second turn starts a fresh conversation
+    assert reference[1].lstrip() + "\n" in out  # after /reset the second turn starts a fresh conversation
     assert "(no such image file: /missing.png)" in out
 
 

@@ -1,0 +1,45 @@
+"""Draw the example images in this folder (scenes like the demo model's training set, at 256x256).
+
+python examples/make_example_images.py   # rewrites examples/*.png
+
+Each scene is given explicitly, so the right answers to every question follow from SCENES (the tests ask the
+bundled model about these images and derive the expected answers from here, through tools/demo_data.py).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tools"))
+import demo_data  # noqa: E402
+
+SIZE = 256
+# Centres and half-sizes are fractions of the image size; each respects demo_data's margins (checked below).
+SCENES = {
+    "three_shapes.png": [
+        {"shape": "circle", "colour": "red", "cx": 0.2, "cy": 0.55, "half": 0.12},
+        {"shape": "square", "colour": "blue", "cx": 0.52, "cy": 0.2, "half": 0.12},
+        {"shape": "triangle", "colour": "green", "cx": 0.78, "cy": 0.62, "half": 0.13},
+    ],
+    "two_shapes.png": [
+        {"shape": "triangle", "colour": "orange", "cx": 0.42, "cy": 0.78, "half": 0.14},
+        {"shape": "circle", "colour": "purple", "cx": 0.8, "cy": 0.42, "half": 0.13},
+    ],
+    "one_shape.png": [{"shape": "square", "colour": "yellow", "cx": 0.25, "cy": 0.45, "half": 0.14}],
+}
+
+
+def main() -> None:
+    for name, shapes in SCENES.items():
+        for s in shapes:
+            dx, dy = abs(s["cx"] - 0.5), abs(s["cy"] - 0.5)
+            assert abs(dx - dy) >= demo_data.POSITION_MARGIN and max(dx, dy) >= demo_data.MIN_OFFSET, (name, s)
+        demo_data.render(random.Random(name), shapes, SIZE).save(HERE / name, optimize=True)
+        print(f"{name}: {demo_data.describe(shapes)}")
+
+
+if __name__ == "__main__":
+    main()
