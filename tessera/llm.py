@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 from tqdm.auto import tqdm
 
-from .config import CacheConfig, ModelConfig, MultiModalConfig, SchedulerConfig
 from .engine.llm_engine import LLMEngine
 from .engine.prompt import PromptType
+from .entrypoints.chat_utils import Message, render_chat
 from .multimodal.media import load_image_url
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-
-Message = Mapping[str, Any]
 
 
 class LLM:
@@ -24,19 +23,7 @@ class LLM:
     `max_num_batched_tokens`, `enable_prefix_caching`, `limit_mm_per_prompt`."""
 
     def __init__(self, model: str, **options: Any) -> None:
-        groups = {cls: {} for cls in (ModelConfig, CacheConfig, SchedulerConfig, MultiModalConfig)}
-        renames = {"limit_mm_per_prompt": "limit_per_prompt"}
-        for name, value in options.items():
-            name = renames.get(name, name)
-            owner = next((cls for cls in groups if name in cls.__dataclass_fields__ and name != "hf_config"), None)
-            if owner is None:
-                raise ValueError(f"Unknown LLM option {name!r}")
-            groups[owner][name] = value
-        mm_config = MultiModalConfig(**groups[MultiModalConfig])
-        model_config = ModelConfig(model, multimodal_config=mm_config, **groups[ModelConfig])
-        self.engine = LLMEngine(
-            model_config, CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig])
-        )
+        self.engine = LLMEngine.from_options(model, **options)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -115,33 +102,7 @@ class LLM:
         self, messages: Sequence[Message], add_generation_prompt: bool = True, chat_template: Optional[str] = None
     ) -> dict:
         """The engine prompt for an OpenAI-style conversation: text through the chat template,
-        images loaded in order."""
-        images, hf_messages = [], []
-        for message in messages:
-            content = message.get("content")
-            if isinstance(content, str) or content is None:
-                hf_messages.append({"role": message["role"], "content": [{"type": "text", "text": content or ""}]})
-                continue
-            parts = []
-            for part in content:
-                kind = part.get("type")
-                if kind == "text":
-                    parts.append({"type": "text", "text": part["text"]})
-                elif kind == "image_url":
-                    url = part["image_url"]["url"] if isinstance(part["image_url"], Mapping) else part["image_url"]
-                    images.append(load_image_url(url, allow_any_local=True))
-                    parts.append({"type": "image"})
-                elif kind == "image_pil":  # an in-memory image (vLLM's part type for the offline API)
-                    images.append(part["image_pil"])
-                    parts.append({"type": "image"})
-                else:
-                    raise ValueError(f"Unsupported content part type {kind!r}; use 'text', 'image_url' or 'image_pil'")
-            hf_messages.append({"role": message["role"], "content": parts})
-        renderer = self._chat_renderer()
-        template = chat_template or self.chat_template
-        if template is None:
-            raise ValueError("This model has no chat template; pass chat_template=... or use generate().")
-        prompt = renderer.apply_chat_template(
-            hf_messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
-        return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else {"prompt": prompt}
+        images loaded in order (data URLs, file:// URLs, local paths or image_pil parts)."""
+        load = functools.partial(load_image_url, allow_any_local=True)
+        return render_chat(self._chat_renderer(), chat_template or self.chat_template, messages, load,
+                           add_generation_prompt)  # fmt: skip

@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-from ..config import CacheConfig, ModelConfig, SchedulerConfig
+from ..config import CacheConfig, ModelConfig, MultiModalConfig, SchedulerConfig
 from ..layers.kv_cache import kv_cache_bytes_per_block
 from ..models.loader import load_model
 from ..models.registry import ModelRegistry
@@ -82,6 +82,23 @@ class LLMEngine:
         self.prompts: dict[str, PromptInputs] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._profile_run()
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> "LLMEngine":
+        """An engine for a model folder; options are fields of ModelConfig, CacheConfig,
+        SchedulerConfig and MultiModalConfig (limit_mm_per_prompt is MultiModalConfig.limit_per_prompt)."""
+        configs = (ModelConfig, CacheConfig, SchedulerConfig, MultiModalConfig)
+        groups: dict[type, dict[str, Any]] = {c: {} for c in configs}
+        renames = {"limit_mm_per_prompt": "limit_per_prompt"}
+        for name, value in options.items():
+            name = renames.get(name, name)
+            owner = next((c for c in groups if name in c.__dataclass_fields__ and name != "hf_config"), None)
+            if owner is None:
+                raise ValueError(f"Unknown LLM option {name!r}")
+            groups[owner][name] = value
+        mm_config = MultiModalConfig(**groups[MultiModalConfig])
+        model_config = ModelConfig(model, multimodal_config=mm_config, **groups[ModelConfig])
+        return cls(model_config, CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]))
 
     # ---- requests -------------------------------------------------------------------------------
 

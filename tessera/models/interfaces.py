@@ -21,6 +21,13 @@ class SupportsMultiModal:
     """Attribute names of the parts that may get their own dtype and device, under the keys
     "vision" (the vision tower) and "projector"."""
 
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> Optional[str]:
+        """The text that stands for item i of `modality` in a prompt (e.g. "<image>"), or None
+        when the model's processor places items itself (e.g. Fuyu puts its image first).
+        Chat and inline-image prompts use it."""
+        return None
+
     def get_multimodal_embeddings(self, **kwargs: object) -> Optional[MultiModalEmbeddings]:
         """Embeddings of the items in `kwargs` (the processor's mm_kwargs); item i at index i."""
         raise NotImplementedError

@@ -126,6 +126,10 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
         "lm_head.": "language_model.lm_head.",
     }
 
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> Optional[str]:
+        return "<image>" if modality == "image" else None
+
     def __init__(self, config: LlavaConfig) -> None:
         super().__init__()
         self.config = config

@@ -1,0 +1,164 @@
+"""The engine for asyncio callers (the server): one thread steps the engine, coroutines add
+requests and read their outputs as they come.
+
+The engine itself is single-threaded. Everything that touches it — adding, aborting, tokenizing,
+stepping — runs on the engine thread; coroutines hand it work through `call()` and receive each
+request's outputs on an asyncio queue. So requests from many HTTP connections are batched
+together step by step (continuous batching), and a bad request fails alone, before it is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Optional, TypeVar
+
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an unexpected error; the server cannot generate any more."""
+
+
+class RequestStream:
+    """The outputs of one request, in order; the last one is finished (or an exception)."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: Any) -> None:  # called on the engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:  # the reader went away (e.g. the client disconnected): free the request
+                self.abort()
+
+    def abort(self) -> None:
+        self.finished = True
+        self.engine.submit(self.engine._abort, self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._stopped = False
+        self.dead: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from coroutines ------------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.dead is None
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn(*args) on the engine thread between steps and return (or raise) its result."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:
+            if future.done():
+                return
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+        def run() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as e:
+                loop.call_soon_threadsafe(settle, False, e)
+            else:
+                loop.call_soon_threadsafe(settle, True, result)
+
+        self.submit(run)
+        return await future
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue fn(*args) for the engine thread without waiting for it."""
+        if not self.is_alive:
+            raise EngineDeadError(f"The engine has stopped: {self.dead!r}")
+        self._calls.put((fn, args))
+        self._wakeup.set()
+
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> RequestStream:
+        """Process and queue a prompt; bad input raises ValueError here, before anything is queued."""
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        await self.call(self._add, stream, prompt, params)
+        return stream
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+
+    def _add(self, stream: RequestStream, prompt: Any, params: SamplingParams) -> None:
+        self.engine.add_request(stream.request_id, prompt, params)
+        self._streams[stream.request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self.engine.abort_request(request_id)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._drain_calls()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    self._wakeup.clear()
+                    continue
+                for output in self.engine.step():
+                    stream = self._streams.get(output.request_id)
+                    if stream is not None:
+                        if output.finished:
+                            del self._streams[output.request_id]
+                        stream.put(output)
+        except BaseException as e:  # a bug, not bad input (that fails in add_request): fail every request
+            logger.exception("The engine thread stopped")
+            self.dead = e
+            for stream in self._streams.values():
+                stream.put(EngineDeadError(f"The engine failed: {e!r}"))
+            self._streams.clear()
+
+    def _drain_calls(self) -> None:
+        while True:
+            try:
+                fn, args = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn(*args)
+            except Exception:  # e.g. an abort racing a finish; never let it stop the engine
+                logger.exception("Engine call %s failed", getattr(fn, "__name__", fn))
