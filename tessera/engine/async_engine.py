@@ -59,7 +59,8 @@ class RequestStream:
 
     def abort(self) -> None:
         self.finished = True
-        self.engine.submit(self.engine._abort, self.request_id)
+        if self.engine.is_alive:
+            self.engine.submit(self.engine._abort, self.request_id)
 
 
 class AsyncEngine:

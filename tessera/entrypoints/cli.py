@@ -32,6 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Chat with the model. Commands: /image PATH attaches an image to "
                                "the next message, /reset clears the history, /exit quits.")  # fmt: skip
     _common_options(chat)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible API and the web chat page",
+                                description="Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, "
+                                "/health, /metrics and a chat page at /.")  # fmt: skip
+    serve.add_argument("--model", default=None, metavar="FOLDER",
+                       help="a local Hugging Face model folder (default: the bundled demo model)")  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize")
+    serve.add_argument("--allowed-media-dir", default=None, metavar="DIR",
+                       help="local image files (file:// URLs or paths) are read only inside this folder")  # fmt: skip
+    serve.add_argument("--max-images-per-prompt", type=int, default=None, metavar="N", help="refuse prompts with more")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
+    serve.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default 1GiB)")
+    serve.add_argument("--max-request-bytes", type=int, default=32 * 2**20, help="larger bodies get 413")
     return parser
 
 
@@ -44,6 +59,8 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
         llm = _load(args.model, stdout)
@@ -60,11 +77,35 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
     return 0
 
 
-def _load(model: Optional[str], out: TextIO) -> Any:
+def _model_folder(model: Optional[str]) -> Path:
     folder = Path(model) if model else DEMO_MODEL
     if not (folder / "config.json").is_file():
         hint = "" if model else " (no demo model is bundled with this install)"
         raise ValueError(f"{folder} is not a model folder: it has no config.json{hint}; pass --model FOLDER.")
+    return folder
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        folder = _model_folder(args.model)
+        if args.allowed_media_dir is not None and not Path(args.allowed_media_dir).is_dir():
+            raise ValueError(f"--allowed-media-dir {args.allowed_media_dir} is not a folder.")
+        from .openai.api_server import serve
+
+        serve(str(folder), host=args.host, port=args.port, served_model_name=args.served_model_name,
+              api_key=args.api_key, allowed_media_dir=args.allowed_media_dir,
+              max_images_per_prompt=args.max_images_per_prompt, max_request_bytes=args.max_request_bytes,
+              kv_cache_memory=args.kv_cache_memory)  # fmt: skip
+    except (ValueError, OSError) as e:
+        print(f"tessera: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _load(model: Optional[str], out: TextIO) -> Any:
+    folder = _model_folder(model)
     print(f"Loading {folder} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     from ..llm import LLM  # heavy imports only once the arguments are known to be good

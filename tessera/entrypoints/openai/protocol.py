@@ -1,0 +1,102 @@
+"""Request bodies of the OpenAI-compatible API, and their mapping onto SamplingParams.
+
+Fields the OpenAI API defines but Tessera does not implement are accepted and ignored when they
+hold their neutral value, and refused otherwise, so a client never silently gets other behaviour
+than it asked for."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ...sampling_params import SamplingParams
+
+# OpenAI fields we do not implement, with the value that means "off".
+_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "tools": None, "best_of": 1}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = None  # vLLM's extension
+    min_p: Optional[float] = None  # vLLM's extension
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = None
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False  # vLLM's extension
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self) -> "_SamplingRequest":
+        for name, value in (self.model_extra or {}).items():
+            if name in _NEUTRAL and value not in (_NEUTRAL[name], None):
+                raise ValueError(f"{name}={value!r} is not supported by this server; leave it out.")
+        return self
+
+    def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k if self.top_k is not None else -1,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=self.stop,
+            logprobs=logprobs,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens  # None: up to the context length
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[str, list[int]]
+    max_tokens: Optional[int] = Field(default=16, ge=1)  # the OpenAI default for completions
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError('Send exactly one of "prompt" and "messages".')
+        return self
+
+
+def error_body(message: str, kind: str = "invalid_request_error", code: int = 400, param: Optional[str] = None):
+    """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+FinishReason = Literal["stop", "length", "abort"]

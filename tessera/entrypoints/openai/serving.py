@@ -1,0 +1,208 @@
+"""Chat and text completions over the async engine: prompts in, OpenAI-shaped responses out
+(whole, or streamed as server-sent events)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Optional
+
+from ...engine.async_engine import AsyncEngine, RequestStream
+from ...multimodal.inline_images import IMG_TAG, inline_images_to_prompt
+from ...outputs import CompletionOutput, RequestOutput
+from ..chat_utils import render_chat
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        model_name: str,
+        load_image: Callable[[str], Any],
+        max_images_per_prompt: Optional[int],
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.model_name = model_name
+        self.load_image = load_image
+        self.max_images = max_images_per_prompt
+        core = engine.engine
+        self.tokenizer = core.tokenizer
+        self.renderer = core.processor.info.get_hf_processor() if core.processor else core.tokenizer
+        self.chat_template = getattr(self.renderer, "chat_template", None)
+        model_cls = type(core.model)
+        self.placeholder = getattr(model_cls, "get_placeholder_str", None)
+
+    # ---- prompts ---------------------------------------------------------------------------------
+
+    def _check_image_count(self, count: int) -> None:
+        if self.max_images is not None and count > self.max_images:
+            raise ValueError(f"This prompt has {count} images; the server takes at most {self.max_images} per prompt.")
+
+    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> dict:
+        parts = [p for m in messages if isinstance(m.get("content"), list) for p in m["content"]]
+        self._check_image_count(sum(isinstance(p, dict) and p.get("type") == "image_url" for p in parts))
+        for part in parts:
+            if isinstance(part, dict) and part.get("type") == "image_pil":
+                raise ValueError("Unsupported content part type 'image_pil'; send images as image_url parts.")
+        return await asyncio.to_thread(
+            render_chat, self.renderer, self.chat_template, messages, self.load_image, add_generation_prompt
+        )
+
+    async def completion_prompt(self, prompt: str | list[int]) -> Any:
+        if not isinstance(prompt, str):
+            return prompt  # token ids
+        self._check_image_count(len(IMG_TAG.findall(prompt)))
+        placeholder = (lambda i: self.placeholder("image", i)) if self.placeholder else None
+        return await asyncio.to_thread(inline_images_to_prompt, prompt, placeholder, self.load_image)
+
+    # ---- endpoints -------------------------------------------------------------------------------
+
+    async def chat(self, request: ChatCompletionRequest) -> Any:
+        prompt = await self.chat_prompt(request.messages, request.add_generation_prompt)
+        return await self._generate(request, prompt, "chatcmpl", chat=True)
+
+    async def completion(self, request: CompletionRequest) -> Any:
+        prompt = await self.completion_prompt(request.prompt)
+        return await self._generate(request, prompt, "cmpl", chat=False)
+
+    async def tokenize(self, request: TokenizeRequest) -> dict:
+        if request.messages is not None:
+            prompt = await self.chat_prompt(request.messages, request.add_generation_prompt)
+        else:
+            prompt = await self.completion_prompt(request.prompt or "")
+        from ...engine.prompt import process_prompt
+
+        inputs = await self.engine.call(process_prompt, self.engine.engine, prompt)
+        placeholders: dict[str, list[dict]] = {}
+        for item in inputs.mm_items:
+            placeholders.setdefault(item.modality, []).append({"offset": item.start, "length": item.end - item.start})
+        return {
+            "count": len(inputs.token_ids),
+            "max_model_len": self.engine.engine.max_model_len,
+            "tokens": inputs.token_ids,
+            "mm_placeholders": placeholders,
+        }
+
+    async def _generate(self, request: Any, prompt: Any, prefix: str, *, chat: bool) -> Any:
+        params = request.to_sampling_params()
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        stream = await self.engine.add_request(request_id, prompt, params)
+        created = int(time.time())
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return self._sse(stream, request_id, created, params.n, chat, include_usage)
+        final: Optional[RequestOutput] = None
+        async for output in stream:
+            final = output
+        assert final is not None
+        self.metrics.observe_finished(final)
+        choices = [self._choice(c, chat) for c in final.outputs]
+        return {
+            "id": request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(final),
+        }
+
+    # ---- response shapes -------------------------------------------------------------------------
+
+    def _choice(self, c: CompletionOutput, chat: bool) -> dict:
+        logprobs = self._logprobs(c.token_ids, c.logprobs, chat, 0) if c.logprobs is not None else None
+        if chat:
+            message = {"role": "assistant", "content": c.text}
+            return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], chat: bool, text_offset: int) -> Any:
+        """OpenAI's logprobs object for these tokens: chat {"content": [...]}, completions the
+        parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
+        entries = []
+        for token_id, table in zip(token_ids, logprobs):
+            token = self.tokenizer.decode([token_id])
+            top = sorted(table.items(), key=lambda kv: -kv[1])
+            entries.append(
+                (token, table.get(token_id, float("-inf")), [(self.tokenizer.decode([t]), lp) for t, lp in top])
+            )
+        if chat:
+
+            def item(token: str, lp: float) -> dict:  # fmt: skip
+                return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+            return {"content": [{**item(t, lp), "top_logprobs": [item(*x) for x in top]} for t, lp, top in entries]}
+        offsets, position = [], text_offset
+        for token, _, _ in entries:
+            offsets.append(position)
+            position += len(token)
+        return {
+            "tokens": [t for t, _, _ in entries],
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries],
+            "text_offset": offsets,
+        }
+
+    async def _sse(
+        self, stream: RequestStream, request_id: str, created: int, n: int, chat: bool, include_usage: bool
+    ) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(choices: list[dict], usage: Optional[dict] = None) -> str:
+            body = {"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": choices}
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        sent_text, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        final: Optional[RequestOutput] = None
+        try:
+            if chat:
+                first = {"role": "assistant", "content": ""}
+                yield event([{"index": i, "delta": first, "logprobs": None, "finish_reason": None} for i in range(n)])
+            async for output in stream:
+                final = output
+                choices = []
+                for c in output.outputs:
+                    i = c.index
+                    if done[i]:
+                        continue
+                    text, new_ids = c.text[sent_text[i] :], c.token_ids[sent_tokens[i] :]
+                    if not text and not c.finished:
+                        continue  # e.g. a token held back while it might start a stop string
+                    logprobs = None
+                    if c.logprobs is not None:
+                        new_lps = c.logprobs[sent_tokens[i] :]
+                        logprobs = self._logprobs(new_ids, new_lps, chat, sent_text[i])
+                    sent_text[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), c.finished
+                    reason = c.finish_reason if c.finished else None
+                    if chat:
+                        delta = {"content": text} if text else {}
+                        choices.append({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
+                    else:
+                        choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
+                if choices:
+                    yield event(choices)
+            if final is not None and final.finished:
+                self.metrics.observe_finished(final)
+                if include_usage:
+                    yield event([], _usage(final))
+        except Exception as e:  # the engine failed under this request: tell the client in-band
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'code': 500}})}\n\n"
+        finally:
+            if final is None or not final.finished:  # the client went away: free the request now
+                stream.abort()
+                self.metrics.count("abort", n)
+        yield "data: [DONE]\n\n"
+
+
+def _usage(output: RequestOutput) -> dict:
+    prompt = len(output.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in output.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

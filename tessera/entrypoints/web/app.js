@@ -1,0 +1,234 @@
+// Tessera's chat page: plain JS, no build step.
+// The history keeps every image as a base64 JPEG <img> tag inside its message text (as the
+// text-generation-webui does); when sending, each message is split back into OpenAI content parts.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const chatHistory = [];       // {role: "user" | "assistant", content: string with <img> tags}
+let pending = [];          // data URLs of images attached to the next message
+let modelName = null;
+let busy = false;
+
+const IMG_TAG = /<img\s+src="(data:image\/[a-z]+;base64,[A-Za-z0-9+/=]+)"\s*\/?>/g;
+
+function showError(text) {
+  const box = $("error");
+  box.textContent = text;
+  box.hidden = !text;
+}
+
+function headers() {
+  const h = {"Content-Type": "application/json"};
+  const key = $("api-key").value.trim();
+  if (key) h["Authorization"] = "Bearer " + key;
+  return h;
+}
+
+// Render a message: text stays text (never HTML); only our own <img> data-URL tags become images.
+function renderContent(element, content) {
+  element.replaceChildren();
+  let last = 0;
+  for (const match of content.matchAll(IMG_TAG)) {
+    if (match.index > last) element.append(content.slice(last, match.index));
+    const img = document.createElement("img");
+    img.src = match[1];
+    img.alt = "attached image";
+    element.append(img);
+    last = match.index + match[0].length;
+  }
+  if (last < content.length) element.append(content.slice(last));
+}
+
+function addBubble(role, content) {
+  const div = document.createElement("div");
+  div.className = "message " + role;
+  renderContent(div, content);
+  $("history").append(div);
+  div.scrollIntoView({block: "end"});
+  return div;
+}
+
+// A history entry -> an OpenAI message with text and image_url parts, in order.
+function toApiMessage(entry) {
+  if (entry.role !== "user") return {role: entry.role, content: entry.content};
+  const parts = [];
+  let last = 0;
+  for (const match of entry.content.matchAll(IMG_TAG)) {
+    const text = entry.content.slice(last, match.index).trim();
+    if (text) parts.push({type: "text", text});
+    parts.push({type: "image_url", image_url: {url: match[1]}});
+    last = match.index + match[0].length;
+  }
+  const rest = entry.content.slice(last).trim();
+  if (rest) parts.push({type: "text", text: rest});
+  return {role: "user", content: parts};
+}
+
+// Any image file -> a JPEG data URL (drawn on a canvas; large images scaled to 1024 px at most).
+function toJpegDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const url = URL.createObjectURL(file);
+    const img = new Image();
+    img.onload = () => {
+      const scale = Math.min(1, 1024 / Math.max(img.width, img.height));
+      const canvas = document.createElement("canvas");
+      canvas.width = Math.max(1, Math.round(img.width * scale));
+      canvas.height = Math.max(1, Math.round(img.height * scale));
+      const ctx = canvas.getContext("2d");
+      ctx.fillStyle = "#fff";  // JPEG has no alpha: put transparent images on white
+      ctx.fillRect(0, 0, canvas.width, canvas.height);
+      ctx.drawImage(img, 0, 0, canvas.width, canvas.height);
+      URL.revokeObjectURL(url);
+      resolve(canvas.toDataURL("image/jpeg", 0.92));
+    };
+    img.onerror = () => { URL.revokeObjectURL(url); reject(new Error(file.name + " is not an image this browser can read")); };
+    img.src = url;
+  });
+}
+
+async function attach(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) { showError(file.name + " is not an image."); continue; }
+    try {
+      pending.push(await toJpegDataUrl(file));
+    } catch (e) {
+      showError(e.message);
+    }
+  }
+  renderPending();
+}
+
+function renderPending() {
+  const box = $("attachments");
+  box.replaceChildren();
+  pending.forEach((src, i) => {
+    const wrap = document.createElement("div");
+    wrap.className = "preview";
+    const img = document.createElement("img");
+    img.src = src;
+    img.alt = "image to send";
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.textContent = "×";
+    remove.title = "Remove";
+    remove.onclick = () => { pending.splice(i, 1); renderPending(); };
+    wrap.append(img, remove);
+    box.append(wrap);
+  });
+}
+
+async function errorMessage(response) {
+  try {
+    const body = await response.json();
+    return (body.error && body.error.message) || JSON.stringify(body);
+  } catch {
+    return "HTTP " + response.status;
+  }
+}
+
+async function send() {
+  const text = $("message").value.trim();
+  if (busy || (!text && !pending.length)) return;
+  showError("");
+  const content = pending.map((src) => `<img src="${src}">`).join("") + (pending.length && text ? "\n" : "") + text;
+  chatHistory.push({role: "user", content});
+  addBubble("user", content);
+  $("message").value = "";
+  pending = [];
+  renderPending();
+
+  busy = true;
+  $("send").disabled = true;
+  const bubble = addBubble("assistant", "");
+  bubble.classList.add("streaming");
+  let answer = "";
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: headers(),
+      body: JSON.stringify({
+        model: modelName,
+        messages: chatHistory.map(toApiMessage),
+        stream: true,
+        max_tokens: Number($("max-tokens").value) || 128,
+        temperature: Number($("temperature").value) || 0,
+      }),
+    });
+    if (!response.ok) throw new Error(await errorMessage(response));
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, {stream: true});
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const line = buffer.slice(0, end).trim();
+        buffer = buffer.slice(end + 2);
+        if (!line.startsWith("data:")) continue;
+        const data = line.slice(5).trim();
+        if (data === "[DONE]") continue;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new Error(chunk.error.message);
+        const delta = chunk.choices.length ? chunk.choices[0].delta.content : null;
+        if (delta) {
+          answer += delta;
+          renderContent(bubble, answer.trimStart());
+          bubble.scrollIntoView({block: "end"});
+        }
+      }
+    }
+    chatHistory.push({role: "assistant", content: answer.trimStart()});
+  } catch (e) {
+    chatHistory.pop();  // drop the unanswered turn, so the next message starts from a consistent history
+    bubble.remove();
+    showError("Error: " + e.message);
+  } finally {
+    bubble.classList.remove("streaming");
+    busy = false;
+    $("send").disabled = false;
+  }
+}
+
+function clearChat() {
+  chatHistory.length = 0;
+  pending = [];
+  renderPending();
+  $("history").replaceChildren();
+  showError("");
+}
+
+async function loadModel() {
+  try {
+    const response = await fetch("/v1/models", {headers: headers()});
+    if (!response.ok) throw new Error(await errorMessage(response));
+    modelName = (await response.json()).data[0].id;
+    $("model-name").textContent = "model: " + modelName;
+  } catch (e) {
+    $("model-name").textContent = "model unavailable";
+    showError("Could not reach the server: " + e.message);
+  }
+}
+
+$("composer").addEventListener("submit", (e) => { e.preventDefault(); send(); });
+$("message").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); }
+});
+$("file-input").addEventListener("change", (e) => { attach(e.target.files); e.target.value = ""; });
+$("clear").addEventListener("click", clearChat);
+$("api-key").value = localStorage.getItem("tessera-api-key") || "";
+$("api-key").addEventListener("change", () => { localStorage.setItem("tessera-api-key", $("api-key").value); loadModel(); });
+
+let dragDepth = 0;
+document.addEventListener("dragenter", (e) => { e.preventDefault(); dragDepth++; $("drop-hint").hidden = false; });
+document.addEventListener("dragleave", () => { if (--dragDepth <= 0) { dragDepth = 0; $("drop-hint").hidden = true; } });
+document.addEventListener("dragover", (e) => e.preventDefault());
+document.addEventListener("drop", (e) => {
+  e.preventDefault();
+  dragDepth = 0;
+  $("drop-hint").hidden = true;
+  attach(e.dataTransfer.files);
+});
+
+loadModel();

@@ -1,0 +1,70 @@
+"""A server on 127.0.0.1 (free port) with the bundled demo model, shared by the module's tests."""
+
+from __future__ import annotations
+
+import base64
+import re
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tessera import DEMO_MODEL
+from tessera.engine.async_engine import AsyncEngine
+from tessera.engine.llm_engine import LLMEngine
+from tessera.entrypoints.openai.api_server import ServerThread, build_app
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "examples"))
+
+API_KEY = "test-key"
+MAX_IMAGES = 2
+
+
+@pytest.fixture(scope="session")
+def media_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="session")
+def server(media_dir):
+    """(base URL, AsyncEngine) of a running server: API key required, at most 2 images per prompt,
+    local files only from media_dir, 1 MiB body cap."""
+    engine = AsyncEngine(
+        LLMEngine.from_options(str(DEMO_MODEL), kv_cache_memory="64MiB", limit_mm_per_prompt={"image": MAX_IMAGES})
+    )
+    app = build_app(engine, model_name="demo", api_key=API_KEY, allowed_media_dir=str(media_dir),
+                    max_images_per_prompt=MAX_IMAGES, max_request_bytes=2**20)  # fmt: skip
+    with ServerThread(app) as url:
+        yield url, engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def data_url(path: Path, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def wait_until_idle(url: str, timeout: float = 30.0) -> None:
+    """Poll /metrics until no KV block is in use and nothing runs or waits (or fail after timeout)."""
+    deadline = time.monotonic() + timeout
+    names = ("tessera_kv_blocks_used", "tessera_requests_running", "tessera_requests_waiting")
+    while any(metric(url, n) for n in names):
+        assert time.monotonic() < deadline, {n: metric(url, n) for n in names}
+        time.sleep(0.02)

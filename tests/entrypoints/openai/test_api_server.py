@@ -1,0 +1,233 @@
+"""The OpenAI-compatible server, driven by the official `openai` client (and httpx for raw HTTP).
+
+Expected answers come from the example scenes' definitions (examples/make_example_images.py)."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import io
+import threading
+
+import demo_data
+import httpx
+import make_example_images
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tessera import DEMO_MODEL
+from tests.entrypoints.openai.conftest import API_KEY, MAX_IMAGES, REPO, data_url, metric, wait_until_idle
+
+IMAGE = REPO / "examples" / "three_shapes.png"
+SCENE = make_example_images.SCENES["three_shapes.png"]
+CAPTION = demo_data.describe(SCENE)
+CIRCLE_COLOUR = next(s["colour"] for s in SCENE if s["shape"] == "circle")
+NUM_IMAGE_TOKENS = 64  # the demo model: (64 px / 8 px patches)^2, CLS dropped ("default" strategy)
+
+
+def ask(question: str, url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": question}]}]  # fmt: skip
+
+
+def headers() -> dict:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+# ---- chat ------------------------------------------------------------------------------------------
+
+
+def test_chat_with_an_image_answers_and_counts_image_tokens(client, server):
+    response = client.chat.completions.create(
+        model="demo", messages=ask("Describe the image.", data_url(IMAGE)), temperature=0, max_tokens=32
+    )
+    choice = response.choices[0]
+    assert choice.message.content.strip() == CAPTION
+    assert choice.finish_reason == "stop" and choice.message.role == "assistant"
+    tokenized = httpx.post(server[0] + "/tokenize", headers=headers(),
+                           json={"messages": ask("Describe the image.", data_url(IMAGE))}).json()  # fmt: skip
+    assert response.usage.prompt_tokens == tokenized["count"] > NUM_IMAGE_TOKENS
+    assert response.usage.completion_tokens >= 1
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_streaming_sends_the_same_answer_in_chunks(client):
+    messages = ask("Describe the image.", data_url(IMAGE))
+    chunks = list(client.chat.completions.create(model="demo", messages=messages, temperature=0, max_tokens=32,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip() == CAPTION
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really streamed
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > NUM_IMAGE_TOKENS
+
+
+def test_n_gives_n_choices(client):
+    response = client.chat.completions.create(model="demo", messages=ask("Describe the image.", data_url(IMAGE)),
+                                              n=3, temperature=1.0, seed=1, max_tokens=8)  # fmt: skip
+    assert sorted(c.index for c in response.choices) == [0, 1, 2]
+    assert all(c.message.content for c in response.choices)
+
+
+def test_logprobs_of_a_greedy_answer_are_the_most_likely(client):
+    response = client.chat.completions.create(model="demo", messages=ask("What colour is the circle?", data_url(IMAGE)),
+                                              temperature=0, max_tokens=4, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = response.choices[0].logprobs.content
+    eos = AutoTokenizer.from_pretrained(DEMO_MODEL).eos_token  # the end token is scored too
+    assert "".join(t.token for t in content).strip() == CIRCLE_COLOUR + eos
+    for token in content:
+        assert token.logprob <= 0 and token.logprob == max(t.logprob for t in token.top_logprobs)
+
+
+def test_completions_take_an_inline_img_tag(client):
+    for mime in ("image/png", "image/webp", "image/jpeg"):
+        prompt = f'USER: <img src="{encoded(mime)}">\nWhat colour is the circle? ASSISTANT:'
+        response = client.completions.create(model="demo", prompt=prompt, temperature=0, max_tokens=4)
+        assert response.choices[0].text.strip() == CIRCLE_COLOUR, mime
+        assert response.usage.prompt_tokens > NUM_IMAGE_TOKENS
+
+
+def encoded(mime: str) -> str:
+    """The example image as a data URL of this type."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.open(IMAGE).convert("RGB").save(buffer, format=mime.split("/")[1], quality=95)
+    return f"data:{mime};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_tokenize_reports_the_placeholder_ranges(server):
+    prompt = f'USER: <img src="{data_url(IMAGE)}">\nWhat colour is the circle? ASSISTANT:'
+    body = httpx.post(server[0] + "/tokenize", headers=headers(), json={"prompt": prompt}).json()
+    (placeholder,) = body["mm_placeholders"]["image"]
+    tokens = body["tokens"]
+    image_token = tokens[placeholder["offset"]]
+    assert placeholder["length"] == NUM_IMAGE_TOKENS
+    assert tokens.count(image_token) == NUM_IMAGE_TOKENS == len(set(range(len(tokens))) & set(
+        range(placeholder["offset"], placeholder["offset"] + placeholder["length"])))  # fmt: skip
+    assert body["count"] == len(tokens)
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    assert httpx.get(server[0] + "/health").status_code == 200
+    assert metric(server[0], "tessera_kv_blocks_total") > 0
+    assert metric(server[0], 'tessera_requests_total{status="stop"}') >= 1
+
+
+def test_local_files_only_inside_the_allowed_folder(client, media_dir, tmp_path):
+    inside = media_dir / "scene.png"
+    inside.write_bytes(IMAGE.read_bytes())
+    response = client.chat.completions.create(model="demo", messages=ask("What colour is the circle?", f"file://{inside}"),
+                                              temperature=0, max_tokens=4)  # fmt: skip
+    assert response.choices[0].message.content.strip() == CIRCLE_COLOUR
+    outside = tmp_path / "scene.png"
+    outside.write_bytes(IMAGE.read_bytes())
+    with pytest.raises(openai.BadRequestError, match="not inside the allowed media folder"):
+        client.chat.completions.create(model="demo", messages=ask("Hi", str(outside)), max_tokens=2)
+
+
+def test_http_image_urls_are_fetched(client):
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(IMAGE.parent))
+    handler.log_message = lambda *a: None  # type: ignore[assignment]
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        messages = ask("What colour is the circle?", f"{base}/{IMAGE.name}")
+        response = client.chat.completions.create(model="demo", messages=messages, temperature=0, max_tokens=4)
+        assert response.choices[0].message.content.strip() == CIRCLE_COLOUR
+        with pytest.raises(openai.BadRequestError, match="HTTP 404"):
+            client.chat.completions.create(model="demo", messages=ask("Hi", f"{base}/missing.png"), max_tokens=2)
+    finally:
+        httpd.shutdown()
+
+
+# ---- bad input: a clear 4xx, and the server keeps serving ------------------------------------------------
+
+
+GARBAGE = "data:image/png;base64," + base64.b64encode(b"definitely not a png").decode()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"messages": ask("Hi", "data:image/png;base64,@@@not-base64@@@")}, "not valid base64"),
+        ({"messages": ask("Hi", GARBAGE)}, "could not be decoded"),
+        ({"messages": ask("Hi", "data:text/plain;base64,aGVsbG8=")}, "Unsupported media type 'text/plain'"),
+        ({"messages": ask("Hi", "ftp://example.com/a.png")}, "Unsupported image URL scheme"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}] * 3}]},
+         f"at most {MAX_IMAGES} per prompt"),
+        ({"messages": [{"role": "user", "content": "circle " * 600}]}, "context"),
+        ({"messages": [{"role": "user", "content": "Hi"}], "temperature": 5}, "temperature"),
+        ({"messages": [{"role": "user", "content": "Hi"}], "n": 0}, "n"),
+        ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "Hi"}], "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": [{"role": "robot", "content": "Hi"}]}, "Unsupported message role"),
+        ({"messages": []}, "messages"),
+    ],
+)  # fmt: skip
+def test_bad_requests_get_400_with_a_reason(client, kwargs, message):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="demo", **{"max_tokens": 4, **kwargs})
+    assert message in error.value.message
+    assert error.value.status_code == 400
+    check_still_serving(client)
+
+
+def check_still_serving(client):
+    response = client.chat.completions.create(model="demo", messages=ask("What colour is the circle?", data_url(IMAGE)),
+                                              temperature=0, max_tokens=4)  # fmt: skip
+    assert response.choices[0].message.content.strip() == CIRCLE_COLOUR
+
+
+def test_completion_with_a_bad_inline_image_is_400(client):
+    with pytest.raises(openai.BadRequestError, match="could not be decoded"):
+        client.completions.create(model="demo", prompt=f'<img src="{GARBAGE}"> Hi', max_tokens=2)
+
+
+def test_an_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+
+
+def test_an_oversized_body_is_413(server, client):
+    big = {"model": "demo", "messages": [{"role": "user", "content": "x" * (2**20 + 10)}]}
+    response = httpx.post(server[0] + "/v1/chat/completions", headers=headers(), json=big)
+    assert response.status_code == 413 and "over the limit" in response.json()["error"]["message"]
+    check_still_serving(client)
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_a_missing_or_wrong_api_key_is_401(server, client, key):
+    auth = {} if key is None else {"Authorization": f"Bearer {key}"}
+    response = httpx.post(server[0] + "/v1/chat/completions", headers=auth,
+                          json={"model": "demo", "messages": [{"role": "user", "content": "Hi"}]})  # fmt: skip
+    assert response.status_code == 401 and "API key" in response.json()["error"]["message"]
+    check_still_serving(client)
+
+
+# ---- disconnects ---------------------------------------------------------------------------------------
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, client):
+    body = {"model": "demo", "messages": ask("Describe the image.", data_url(IMAGE)), "stream": True,
+            "max_tokens": 400, "ignore_eos": True, "temperature": 0}  # fmt: skip
+    aborted = metric(server[0], 'tessera_requests_total{status="abort"}') if _has_aborts(server) else 0.0
+    with httpx.stream("POST", server[0] + "/v1/chat/completions", headers=headers(), json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        received = [next(lines) for _ in range(6)]  # a few chunks in, then hang up
+    assert any(line.startswith("data: ") for line in received)
+    wait_until_idle(server[0])
+    assert metric(server[0], 'tessera_requests_total{status="abort"}') == aborted + 1
+    check_still_serving(client)
+    wait_until_idle(server[0])
+
+
+def _has_aborts(server) -> bool:
+    return 'tessera_requests_total{status="abort"}' in httpx.get(server[0] + "/metrics").text
