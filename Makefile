@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo bench bench-engine clean
+.PHONY: setup browser test demo bench bench-engine bench-serve clean
 
 setup: $(STAMP)
 
@@ -14,7 +14,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
-test: $(STAMP)
+# The web page test drives the system Chromium (Playwright's Python package, no browser download);
+# install it with apt when missing. If that is impossible the test is skipped and says why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "warning: could not install chromium with apt; the web page test will be skipped"
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
@@ -28,6 +36,9 @@ bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_throughput.py --dtype bfloat16 --hf-batches 8 16
 	$(PY) benchmarks/bench_prefix_cache.py
 	$(PY) benchmarks/bench_decode_roofline.py
+
+bench-serve: $(STAMP)
+	$(PY) benchmarks/bench_serve.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info

@@ -38,8 +38,14 @@ class RequestStream:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
 
-    def put(self, item: Any) -> None:  # called on the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: Any) -> bool:
+        """Hand an item to the reader (called on the engine thread); False when the reader's event
+        loop has closed, i.e. nobody will read it."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -142,10 +148,12 @@ class AsyncEngine:
                     continue
                 for output in self.engine.step():
                     stream = self._streams.get(output.request_id)
-                    if stream is not None:
-                        if output.finished:
-                            del self._streams[output.request_id]
-                        stream.put(output)
+                    if stream is None:
+                        continue
+                    if output.finished:
+                        del self._streams[output.request_id]
+                    if not stream.put(output) and not output.finished:  # its reader is gone: stop it
+                        self._abort(output.request_id)
         except BaseException as e:  # a bug, not bad input (that fails in add_request): fail every request
             logger.exception("The engine thread stopped")
             self.dead = e

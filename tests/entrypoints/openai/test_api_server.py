@@ -18,7 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tessera import DEMO_MODEL
-from tests.entrypoints.openai.conftest import API_KEY, MAX_IMAGES, REPO, data_url, metric, wait_until_idle
+from tests.entrypoints.conftest import API_KEY, MAX_IMAGES, REPO, data_url, metric, wait_until_idle
 
 IMAGE = REPO / "examples" / "three_shapes.png"
 SCENE = make_example_images.SCENES["three_shapes.png"]

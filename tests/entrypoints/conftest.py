@@ -1,4 +1,4 @@
-"""A server on 127.0.0.1 (free port) with the bundled demo model, shared by the module's tests."""
+"""A server on 127.0.0.1 (free port) with the bundled demo model, shared by the server and web page tests."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(REPO / "examples"))
 
