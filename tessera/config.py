@@ -40,6 +40,21 @@ class MultiModalConfig:
     mm_processor_cache_gb: float = 1.0
     """Size of the processor-output cache in GiB; 0 disables it."""
 
+    multimodal_pipeline: Optional[str] = None
+    """A vision pipeline (tessera.pipelines) to add to a text model, by name; "auto" picks one
+    by the model's folder name. Setting this or pipelines_dir turns pipeline mode on."""
+
+    pipelines_dir: Optional[str] = None
+    """A folder of extra pipeline modules (each a folder with a pipelines.py)."""
+
+    pipeline_params: dict[str, Any] = field(default_factory=dict)
+    """Settings handed to the pipeline, e.g. vision_device, vision_bits, projector_device,
+    projector_bits, and the pipeline's own (the llava pipeline: vision_tower, mm_projector)."""
+
+    @property
+    def uses_pipeline(self) -> bool:
+        return bool(self.multimodal_pipeline or self.pipelines_dir)
+
     def __post_init__(self) -> None:
         for modality, limit in self.limit_per_prompt.items():
             if not isinstance(limit, int) or limit < 0:

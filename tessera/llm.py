@@ -91,7 +91,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _chat_renderer(self) -> Any:
-        return self.engine.processor.info.get_hf_processor() if self.engine.processor else self.engine.tokenizer
+        return self.engine.chat_renderer()[0]
 
     @property
     def chat_template(self) -> Optional[str]:
@@ -104,5 +104,6 @@ class LLM:
         """The engine prompt for an OpenAI-style conversation: text through the chat template,
         images loaded in order (data URLs, file:// URLs, local paths or image_pil parts)."""
         load = functools.partial(load_image_url, allow_any_local=True)
-        return render_chat(self._chat_renderer(), chat_template or self.chat_template, messages, load,
-                           add_generation_prompt)  # fmt: skip
+        renderer, image_text = self.engine.chat_renderer()
+        return render_chat(renderer, chat_template or self.chat_template, messages, load, add_generation_prompt,
+                           image_text)  # fmt: skip

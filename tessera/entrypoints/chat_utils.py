@@ -20,8 +20,12 @@ def image_url_of(part: Mapping[str, Any]) -> str:
     return url
 
 
-def parse_chat_messages(messages: Sequence[Message], load_image: ImageLoader) -> tuple[list[dict], list[Any]]:
-    """(messages in the form HF chat templates take, the images in order of appearance)."""
+def parse_chat_messages(
+    messages: Sequence[Message], load_image: ImageLoader, image_text: Optional[str] = None
+) -> tuple[list[dict], list[Any]]:
+    """(messages in the form HF chat templates take, the images in order of appearance). With
+    `image_text` (pipeline mode: a text model's template knows no images) each message becomes
+    one string with `image_text` where its images were."""
     images: list[Any] = []
     hf_messages = []
     for message in messages:
@@ -30,7 +34,8 @@ def parse_chat_messages(messages: Sequence[Message], load_image: ImageLoader) ->
             raise ValueError(f"Unsupported message role {role!r}; use 'system', 'user' or 'assistant'.")
         content = message.get("content")
         if isinstance(content, str) or content is None:
-            hf_messages.append({"role": role, "content": [{"type": "text", "text": content or ""}]})
+            text_part = [{"type": "text", "text": content or ""}]
+            hf_messages.append({"role": role, "content": content or "" if image_text is not None else text_part})
             continue
         parts = []
         for part in content:
@@ -45,7 +50,11 @@ def parse_chat_messages(messages: Sequence[Message], load_image: ImageLoader) ->
                 parts.append({"type": "image"})
             else:
                 raise ValueError(f"Unsupported content part type {kind!r}; use 'text', 'image_url' or 'image_pil'")
-        hf_messages.append({"role": role, "content": parts})
+        if image_text is not None:
+            text = "".join(image_text if p["type"] == "image" else p["text"] for p in parts)
+            hf_messages.append({"role": role, "content": text})
+        else:
+            hf_messages.append({"role": role, "content": parts})
     return hf_messages, images
 
 
@@ -55,10 +64,11 @@ def render_chat(
     messages: Sequence[Message],
     load_image: ImageLoader,
     add_generation_prompt: bool = True,
+    image_text: Optional[str] = None,
 ) -> dict:
     """The engine prompt for a conversation: {"prompt": text, "multi_modal_data": {"image": [...]}}.
     `renderer` is the model's HF processor (or tokenizer for text-only models)."""
-    hf_messages, images = parse_chat_messages(messages, load_image)
+    hf_messages, images = parse_chat_messages(messages, load_image, image_text)
     if chat_template is None:
         raise ValueError("This model has no chat template; pass chat_template=... or use generate().")
     prompt = renderer.apply_chat_template(

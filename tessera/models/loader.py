@@ -23,12 +23,14 @@ from .registry import ModelRegistry
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
 
 
-def load_model(model_config: ModelConfig) -> nn.Module:
-    """Build the model class named by config.json and load its weights, parts placed as configured."""
+def load_model(model_config: ModelConfig, *, ignore_prefixes: tuple[str, ...] = ()) -> nn.Module:
+    """Build the model class named by config.json and load its weights, parts placed as configured.
+    Checkpoint tensors whose names start with `ignore_prefixes` are skipped (e.g. a LLaVA
+    checkpoint's own projector when its text model runs under a vision pipeline)."""
     model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures)
     with torch.device("meta"):  # no memory, no random init: every tensor comes from the checkpoint
         model = model_cls(model_config.hf_config)
-    load_weights(model, model_config.model, allow_pickle=model_config.allow_pickle)
+    load_weights(model, model_config.model, allow_pickle=model_config.allow_pickle, ignore_prefixes=ignore_prefixes)
     place_parts(model, model_config)
     return model.eval()
 
@@ -44,7 +46,9 @@ def place_parts(model: nn.Module, model_config: ModelConfig) -> None:
             getattr(model, parts[key]).to(device=device, dtype=dtype)
 
 
-def load_weights(model: nn.Module, folder: str | Path, *, allow_pickle: bool = False) -> None:
+def load_weights(
+    model: nn.Module, folder: str | Path, *, allow_pickle: bool = False, ignore_prefixes: tuple[str, ...] = ()
+) -> None:
     """Assign every parameter and persistent buffer of `model` from the checkpoint in `folder`."""
     folder = Path(folder)
     expected = model.state_dict(keep_vars=True)
@@ -55,7 +59,7 @@ def load_weights(model: nn.Module, folder: str | Path, *, allow_pickle: bool = F
     unexpected = []
     for hf_name, tensor in iter_checkpoint(folder, allow_pickle=allow_pickle):
         name = _rename(hf_name, getattr(model, "hf_to_tessera_prefixes", {}))
-        if name.endswith(IGNORED_SUFFIXES):
+        if name.endswith(IGNORED_SUFFIXES) or hf_name.startswith(ignore_prefixes):
             continue
         fused, rows = shard_targets.get(name, (name, slice(None)))
         if fused not in expected:
@@ -122,6 +126,9 @@ def _shards(folder: Path, index_name: str, pattern: str) -> list[Path]:
         if absent:
             raise ValueError(f"{index} names shard(s) that are not in the folder: {', '.join(absent)}")
         return files
+    single = folder / index_name.removesuffix(".index.json")  # model.safetensors / pytorch_model.bin
+    if single.is_file():  # only the model's own file: a folder may hold others (e.g. mm_projector.bin)
+        return [single]
     return sorted(folder.glob(pattern))
 
 

@@ -67,6 +67,19 @@ def test_bad_paths_print_one_line_and_fail(tiny_llava_dir, capsys, argv, message
     assert not any("Traceback" in line for line in err)
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--model", "/no/such/model"], "/no/such/model is not a model folder"),
+        (["serve", "--allowed-media-dir", "/no/such/dir"], "--allowed-media-dir /no/such/dir is not a folder"),
+    ],
+)
+def test_serve_with_bad_paths_prints_one_line_and_fails(capsys, argv, message):
+    code, _ = run(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("tessera: error:") and message in err[-1]
+
+
 def test_unreadable_image_is_a_clean_error(tiny_llava_dir, tmp_path, capsys):
     bad = tmp_path / "broken.png"
     bad.write_bytes(b"not an image at all")
@@ -86,7 +99,7 @@ def test_chat_attaches_images_resets_and_exits(tiny_llava_dir, image_file, refer
     assert "(no such image file: /missing.png)" in out
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["chat"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["serve"]])
 def test_every_command_has_help(command):
     result = subprocess.run([sys.executable, "-m", "tessera.entrypoints.cli", *command, "--help"],
                             capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -34,7 +34,7 @@ class OpenAIServing:
         self.max_images = max_images_per_prompt
         core = engine.engine
         self.tokenizer = core.tokenizer
-        self.renderer = core.processor.info.get_hf_processor() if core.processor else core.tokenizer
+        self.renderer, self.image_text = core.chat_renderer()
         self.chat_template = getattr(self.renderer, "chat_template", None)
         model_cls = type(core.model)
         self.placeholder = getattr(model_cls, "get_placeholder_str", None)
@@ -52,7 +52,13 @@ class OpenAIServing:
             if isinstance(part, dict) and part.get("type") == "image_pil":
                 raise ValueError("Unsupported content part type 'image_pil'; send images as image_url parts.")
         return await asyncio.to_thread(
-            render_chat, self.renderer, self.chat_template, messages, self.load_image, add_generation_prompt
+            render_chat,
+            self.renderer,
+            self.chat_template,
+            messages,
+            self.load_image,
+            add_generation_prompt,
+            self.image_text,
         )
 
     async def completion_prompt(self, prompt: str | list[int]) -> Any:

@@ -1,0 +1,169 @@
+"""A pipeline + a text LLM seen as one multimodal model, through the same interfaces as every
+other model: a BaseMultiModalProcessor (prompt -> tokens, images -> items) and a
+SupportsMultiModal model (items -> embeddings). So the engine has no second code path.
+
+Prompts mark each image with IMAGE_MARKER (inline <img> tags and chat image parts become it). The
+processor splits the text at the markers, tokenizes each text part on its own (as the webui does),
+and puts image_start + placeholder_token_id x num_image_embeds + image_end in each marker's place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+from transformers import BatchFeature
+
+from ..models.interfaces import MultiModalEmbeddings, SupportsMultiModal
+from ..models.utils import merge_multimodal_embeddings_by_mask
+from ..multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
+from ..multimodal.parse import MultiModalDataItems
+from ..multimodal.processing import BaseMultiModalProcessor, BaseProcessingInfo
+from ..multimodal.profiling import BaseDummyInputsBuilder
+from ..multimodal.prompt_updates import PromptReplacement, PromptUpdateDetails
+from .base import AbstractMultimodalPipeline
+
+IMAGE_MARKER = "<image>"
+
+
+class PipelineProcessingInfo(BaseProcessingInfo):
+    def __init__(self, ctx: Any, pipeline: AbstractMultimodalPipeline) -> None:
+        super().__init__(ctx)
+        self.pipeline = pipeline
+
+    def get_supported_mm_limits(self) -> Mapping[str, Optional[int]]:
+        return {"image": None}
+
+    def marker_ids(self) -> tuple[list[int], list[int]]:
+        """Token ids of the pipeline's image start and end texts (empty when it has none)."""
+        tokenizer = self.get_tokenizer()
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False) if text else []  # noqa: E731
+        return encode(self.pipeline.image_start()), encode(self.pipeline.image_end())
+
+    def image_token_ids(self) -> list[int]:
+        start, end = self.marker_ids()
+        return start + [self.pipeline.placeholder_token_id()] * self.pipeline.num_image_embeds() + end
+
+    def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, int]:
+        return {"image": self.pipeline.num_image_embeds()}
+
+
+class PipelineDummyInputsBuilder(BaseDummyInputsBuilder[PipelineProcessingInfo]):
+    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
+        return IMAGE_MARKER * mm_counts.get("image", 0)
+
+    def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, Any]:
+        return {"image": [Image.new("RGB", (336, 336), (128, 128, 128))] * mm_counts.get("image", 0)}
+
+
+class PipelineMultiModalProcessor(BaseMultiModalProcessor[PipelineProcessingInfo]):
+    def _call_hf_processor(
+        self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object]
+    ) -> BatchFeature:
+        tokenizer = self.info.get_tokenizer()
+        image_ids = self.info.image_token_ids()
+        ids: list[int] = []
+        for k, piece in enumerate(prompt.split(IMAGE_MARKER)):
+            if k > 0:
+                ids += image_ids
+            if k == 0 or piece:
+                ids += tokenizer.encode(piece, add_special_tokens=k == 0)
+        images = [_as_rgb_tensor(image) for image in mm_data.get("images", [])]  # type: ignore[union-attr]
+        out: dict[str, Any] = {"input_ids": torch.tensor([ids])}
+        if images:
+            out["image_pixels"] = images
+        return BatchFeature(out)
+
+    def _get_mm_fields_config(self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]):
+        return {"image_pixels": MultiModalFieldConfig.batched("image")}
+
+    def _get_prompt_updates(
+        self,
+        mm_items: MultiModalDataItems,
+        hf_processor_mm_kwargs: Mapping[str, object],
+        out_mm_kwargs: MultiModalKwargs,
+    ) -> Sequence[PromptReplacement]:
+        replacement = PromptUpdateDetails.select_token_id(
+            self.info.image_token_ids(), embed_token_id=self.info.pipeline.placeholder_token_id()
+        )
+        return [PromptReplacement(modality="image", target=IMAGE_MARKER, replacement=replacement)]
+
+    def _place_items(self, prompt_ids: list[int], resolved: Any, maybe_applied: bool) -> tuple[list[int], dict]:
+        # Text always goes through _call_hf_processor, which expands every marker itself (also on the
+        # cached path), so the placeholders are there to be found.
+        return super()._place_items(prompt_ids, resolved, True)
+
+
+def _as_rgb_tensor(image: Any) -> torch.Tensor:
+    """An image as uint8 [H, W, 3] (hashable, cacheable), back to PIL for the pipeline later."""
+    if isinstance(image, torch.Tensor):  # CHW, as the parser accepts
+        image = Image.fromarray(image.permute(1, 2, 0).to(torch.uint8).numpy())
+    elif isinstance(image, np.ndarray):
+        image = Image.fromarray(image)
+    return torch.from_numpy(np.asarray(image.convert("RGB")).copy())
+
+
+class PipelineForCausalLM(nn.Module, SupportsMultiModal):
+    """The text LLM with the pipeline's image embeddings merged in at the placeholder positions."""
+
+    def __init__(self, language_model: nn.Module, pipeline: AbstractMultimodalPipeline, tokenizer: Any) -> None:
+        super().__init__()
+        self.language_model = language_model
+        self.pipeline = pipeline
+        pipeline.attach(language_model, tokenizer)
+        self.placeholder_token_id = pipeline.placeholder_token_id()
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> Optional[str]:
+        return IMAGE_MARKER if modality == "image" else None
+
+    def get_language_model(self) -> nn.Module:
+        return self.language_model
+
+    def get_multimodal_embeddings(self, **kwargs: object) -> Optional[MultiModalEmbeddings]:
+        pixels = kwargs.get("image_pixels")
+        if pixels is None:
+            return None
+        images = [Image.fromarray(p.numpy()) for p in pixels]  # type: ignore[union-attr]
+        with torch.no_grad():
+            embeddings = self.pipeline.embed_images(images)
+        expected = (len(images), self.pipeline.num_image_embeds())
+        if tuple(embeddings.shape[:2]) != expected:
+            raise ValueError(
+                f"Pipeline {self.pipeline.name()!r} returned embeddings of shape {tuple(embeddings.shape)} "
+                f"for {len(images)} image(s); expected {expected} + (hidden size,)"
+            )
+        dtype, device = _dtype_device(self.language_model)
+        return embeddings.to(device=device, dtype=dtype)
+
+    def get_input_embeddings(
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings: Optional[MultiModalEmbeddings] = None,
+        *,
+        is_multimodal: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        embeds = self.pipeline.embed_tokens(input_ids)
+        if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
+            return embeds
+        if is_multimodal is None:
+            is_multimodal = input_ids == self.placeholder_token_id
+        return merge_multimodal_embeddings_by_mask(embeds, multimodal_embeddings, is_multimodal)
+
+    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
+                inputs_embeds: Optional[torch.Tensor] = None, **kwargs: object) -> torch.Tensor:  # fmt: skip
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings(input_ids, self.get_multimodal_embeddings(**kwargs))
+        return self.language_model(None, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states)
+
+
+def _dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device]:
+    parameter = next(module.parameters())
+    return parameter.dtype, parameter.device

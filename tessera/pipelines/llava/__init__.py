@@ -1,0 +1,1 @@
+"""The built-in LLaVA pipeline module (a CLIP vision tower + projector for a Llama text model)."""
