@@ -131,11 +131,12 @@ class PipelineForCausalLM(nn.Module, SupportsMultiModal):
         images = [Image.fromarray(p.numpy()) for p in pixels]  # type: ignore[union-attr]
         with torch.no_grad():
             embeddings = self.pipeline.embed_images(images)
-        expected = (len(images), self.pipeline.num_image_embeds())
-        if tuple(embeddings.shape[:2]) != expected:
+        hidden = self.language_model.config.hidden_size
+        expected = (len(images), self.pipeline.num_image_embeds(), hidden)
+        if tuple(embeddings.shape) != expected:
             raise ValueError(
                 f"Pipeline {self.pipeline.name()!r} returned embeddings of shape {tuple(embeddings.shape)} "
-                f"for {len(images)} image(s); expected {expected} + (hidden size,)"
+                f"for {len(images)} image(s); expected {expected} (images, num_image_embeds, text hidden size)"
             )
         dtype, device = _dtype_device(self.language_model)
         return embeddings.to(device=device, dtype=dtype)
