@@ -47,12 +47,38 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     serve.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default 1GiB)")
     serve.add_argument("--max-request-bytes", type=int, default=32 * 2**20, help="larger bodies get 413")
+    _pipeline_options(serve)
     return parser
+
+
+def _pipeline_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--multimodal-pipeline", default=None, metavar="NAME",
+                        help="add a vision pipeline to a text model ('auto': chosen by the model's name)")  # fmt: skip
+    parser.add_argument("--pipelines-dir", default=None, metavar="DIR", help="a folder of extra pipeline modules")
+    parser.add_argument("--pipeline-param", action="append", default=[], metavar="KEY=VALUE",
+                        help="a pipeline setting, e.g. vision_tower=DIR or vision_bits=16 (repeatable)")  # fmt: skip
+
+
+def _pipeline_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM / engine options for the pipeline flags (none when pipeline mode is off)."""
+    params = {}
+    for item in args.pipeline_param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--pipeline-param takes KEY=VALUE, got {item!r}.")
+        params[key.strip()] = value.strip()
+    if not (args.multimodal_pipeline or args.pipelines_dir):
+        if params:
+            raise ValueError("--pipeline-param needs --multimodal-pipeline or --pipelines-dir.")
+        return {}
+    return {"multimodal_pipeline": args.multimodal_pipeline, "pipelines_dir": args.pipelines_dir,
+            "pipeline_params": params}  # fmt: skip
 
 
 def _common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="FOLDER",
                         help="a local Hugging Face model folder (default: the bundled demo model)")  # fmt: skip
+    _pipeline_options(parser)
     parser.add_argument("--max-tokens", type=int, default=128, help="longest answer in tokens (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default), higher for variety")
 
@@ -63,7 +89,7 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
         return _serve(args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-        llm = _load(args.model, stdout)
+        llm = _load(args.model, stdout, _pipeline_kwargs(args))
         if args.command == "generate":
             messages = [_user_message(args.prompt, args.image)]
             _stream_answer(llm, messages, params, stdout)
@@ -95,7 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
         serve(str(folder), host=args.host, port=args.port, served_model_name=args.served_model_name,
               api_key=args.api_key, allowed_media_dir=args.allowed_media_dir,
               max_images_per_prompt=args.max_images_per_prompt, max_request_bytes=args.max_request_bytes,
-              kv_cache_memory=args.kv_cache_memory)  # fmt: skip
+              kv_cache_memory=args.kv_cache_memory, **_pipeline_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)
         return 1
@@ -104,13 +130,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(model: Optional[str], out: TextIO) -> Any:
+def _load(model: Optional[str], out: TextIO, options: Optional[dict] = None) -> Any:
     folder = _model_folder(model)
     print(f"Loading {folder} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     from ..llm import LLM  # heavy imports only once the arguments are known to be good
 
-    llm = LLM(str(folder), kv_cache_memory="256MiB")
+    llm = LLM(str(folder), kv_cache_memory="256MiB", **(options or {}))
     print(f"Ready in {time.perf_counter() - start:.1f} s.", file=sys.stderr, flush=True)
     return llm
 
@@ -129,10 +155,12 @@ def stream_chat(llm: Any, messages: list[dict], params: SamplingParams) -> Itera
     engine = llm.engine
     if llm.chat_template is not None:
         prompt = llm.render_chat(messages)
-    else:  # e.g. Fuyu: no template; the last message's text and images go in as they are
+    else:  # no template (e.g. Fuyu, or a text model with a pipeline): the last message as it is
         parts = messages[-1]["content"]
         text = " ".join(p["text"] for p in parts if p["type"] == "text")
         images = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
+        placeholder = getattr(type(engine.model), "get_placeholder_str", lambda modality, i: None)
+        text = "".join(placeholder("image", i) or "" for i in range(len(images))) + text
         prompt = {
             "prompt": text,
             "multi_modal_data": {"image": [load_image_url(u, allow_any_local=True) for u in images]},

@@ -163,7 +163,8 @@ def serve(
         engine.shutdown()
 
 
-ENGINE_OPTIONS = ("kv_cache_memory", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+ENGINE_OPTIONS = ("kv_cache_memory", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                  "multimodal_pipeline", "pipelines_dir", "pipeline_params")  # fmt: skip
 
 
 class ServerThread:

@@ -1,0 +1,70 @@
+"""Pipeline flags on the command line and the server: --multimodal-pipeline, --pipelines-dir,
+--pipeline-param; the server takes inline <img> tags and chat image parts for a pipeline model."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+
+from tessera import LLM, SamplingParams
+from tessera.engine.async_engine import AsyncEngine
+from tessera.engine.llm_engine import LLMEngine
+from tessera.entrypoints.cli import main
+from tessera.entrypoints.openai.api_server import ServerThread, build_app
+from tests.multimodal.test_processing import random_images
+
+
+def reference(llava_parts, image, text: str, max_tokens: int = 6) -> str:
+    llm = LLM(str(llava_parts["text"]), multimodal_pipeline="llava-v1.5-7b", kv_cache_memory="64MiB",
+              pipeline_params={"vision_tower": str(llava_parts["vision"])})  # fmt: skip
+    prompt = {"prompt": text, "multi_modal_data": {"image": image}}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_cli_generate_with_a_pipeline(llava_parts, tmp_path):
+    image = random_images([(40, 30)], seed=6)[0]
+    path = tmp_path / "x.png"
+    image.save(path)
+    out = io.StringIO()
+    code = main(["generate", "Hi", "--image", str(path), "--model", str(llava_parts["text"]), "--max-tokens", "6",
+                 "--multimodal-pipeline", "llava-v1.5-7b", "--pipeline-param", f"vision_tower={llava_parts['vision']}"],
+                stdout=out)  # fmt: skip
+    assert code == 0
+    llm = LLM(str(llava_parts["text"]), multimodal_pipeline="llava-v1.5-7b", kv_cache_memory="64MiB",
+              pipeline_params={"vision_tower": str(llava_parts["vision"])})  # fmt: skip
+    message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(path)}},
+                                           {"type": "text", "text": "Hi"}]}  # fmt: skip
+    (expected,) = llm.chat([message], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
+    assert out.getvalue() == expected.outputs[0].text.lstrip() + "\n"
+    assert "<image>" in expected.prompt  # the image part became the pipeline's marker
+
+
+def test_cli_pipeline_errors_are_one_line(llava_parts, capsys):
+    code = main(["generate", "Hi", "--model", str(llava_parts["text"]), "--pipelines-dir", "/no/such/dir"])
+    err = capsys.readouterr().err
+    assert code == 1 and "The pipelines directory /no/such/dir does not exist" in err and "Traceback" not in err
+    code = main(["generate", "Hi", "--model", str(llava_parts["text"]), "--pipeline-param", "x=1"])
+    assert code == 1 and "--pipeline-param needs --multimodal-pipeline" in capsys.readouterr().err
+
+
+def test_server_completion_with_an_inline_img_tag(llava_parts):
+    image = random_images([(40, 30)], seed=8)[0]
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    tag = '<img src="data:image/png;base64,' + base64.b64encode(buffer.getvalue()).decode() + '">'
+    engine = AsyncEngine(LLMEngine.from_options(
+        str(llava_parts["text"]), kv_cache_memory="64MiB", multimodal_pipeline="llava-v1.5-7b",
+        pipeline_params={"vision_tower": str(llava_parts["vision"])}))  # fmt: skip
+    try:
+        with ServerThread(build_app(engine, model_name="tiny")) as url:
+            body = {"prompt": f"USER: {tag}\nWhat is this? ASSISTANT:", "max_tokens": 6, "temperature": 0,
+                    "ignore_eos": True}  # fmt: skip
+            response = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+    finally:
+        engine.shutdown()
+    expected = reference(llava_parts, image, "USER: <image>\nWhat is this? ASSISTANT:")
+    assert response["choices"][0]["text"] == expected
+    assert response["usage"]["prompt_tokens"] > engine.engine.pipeline.num_image_embeds()
