@@ -44,7 +44,7 @@ class SupportsMultiModal:
         `self.placeholder_token_id`. Models may override it, as vLLM's guide shows."""
         from .utils import merge_multimodal_embeddings, merge_multimodal_embeddings_by_mask
 
-        inputs_embeds = self.get_language_model().get_input_embeddings(input_ids)
+        inputs_embeds = self.embed_text_tokens(input_ids)
         if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
             return inputs_embeds
         if is_multimodal is not None:
@@ -56,6 +56,10 @@ class SupportsMultiModal:
 
     def get_language_model(self) -> nn.Module:
         raise NotImplementedError
+
+    def embed_text_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The text embeddings the item embeddings are merged into (the language model's table)."""
+        return self.get_language_model().get_input_embeddings(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.get_language_model().compute_logits(hidden_states)

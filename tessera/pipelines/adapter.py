@@ -19,7 +19,7 @@ from torch import nn
 from transformers import BatchFeature
 
 from ..models.interfaces import MultiModalEmbeddings, SupportsMultiModal
-from ..models.utils import merge_multimodal_embeddings_by_mask
+from ..models.utils import module_dtype_device
 from ..multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from ..multimodal.parse import MultiModalDataItems
 from ..multimodal.processing import BaseMultiModalProcessor, BaseProcessingInfo
@@ -138,22 +138,11 @@ class PipelineForCausalLM(nn.Module, SupportsMultiModal):
                 f"Pipeline {self.pipeline.name()!r} returned embeddings of shape {tuple(embeddings.shape)} "
                 f"for {len(images)} image(s); expected {expected} (images, num_image_embeds, text hidden size)"
             )
-        dtype, device = _dtype_device(self.language_model)
+        dtype, device = module_dtype_device(self.language_model)
         return embeddings.to(device=device, dtype=dtype)
 
-    def get_input_embeddings(
-        self,
-        input_ids: torch.Tensor,
-        multimodal_embeddings: Optional[MultiModalEmbeddings] = None,
-        *,
-        is_multimodal: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        embeds = self.pipeline.embed_tokens(input_ids)
-        if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
-            return embeds
-        if is_multimodal is None:
-            is_multimodal = input_ids == self.placeholder_token_id
-        return merge_multimodal_embeddings_by_mask(embeds, multimodal_embeddings, is_multimodal)
+    def embed_text_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.pipeline.embed_tokens(input_ids)  # the pipeline may embed text its own way
 
     def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
                 inputs_embeds: Optional[torch.Tensor] = None, **kwargs: object) -> torch.Tensor:  # fmt: skip
@@ -163,8 +152,3 @@ class PipelineForCausalLM(nn.Module, SupportsMultiModal):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden_states)
-
-
-def _dtype_device(module: nn.Module) -> tuple[torch.dtype, torch.device]:
-    parameter = next(module.parameters())
-    return parameter.dtype, parameter.device
