@@ -68,8 +68,9 @@ def test_truncation_keeps_only_whole_images_and_counts_the_dropped(llava_parts, 
     assert "dropped 2 image(s)" in caplog.text
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".bin"])
 @pytest.mark.parametrize("layout", ["linear", "mlp"])
-def test_projector_shape_is_read_from_the_weights(tmp_path, layout):
+def test_projector_shape_is_read_from_the_weights(tmp_path, layout, suffix):
     from safetensors.torch import save_file
 
     if layout == "linear":  # LLaVA v0: one Linear 1024 -> 4096 (scaled down)
@@ -78,8 +79,9 @@ def test_projector_shape_is_read_from_the_weights(tmp_path, layout):
         weights = {"model.mm_projector.0.weight": torch.randn(12, 8), "model.mm_projector.0.bias": torch.randn(12),
                    "model.mm_projector.2.weight": torch.randn(12, 12),
                    "model.mm_projector.2.bias": torch.randn(12)}  # fmt: skip
-    save_file(weights, str(tmp_path / "p.safetensors"))
-    projector = load_projector(tmp_path / "p.safetensors")
+    path = tmp_path / f"mm_projector{suffix}"
+    save_file(weights, str(path)) if suffix == ".safetensors" else torch.save(weights, path)
+    projector = load_projector(path)
     x = torch.randn(3, 8)
     if layout == "linear":
         expected = x @ weights["model.mm_projector.weight"].T + weights["model.mm_projector.bias"]
