@@ -6,20 +6,17 @@ Expected answers come from the scene generator (tools/demo_data.py), never from 
 from __future__ import annotations
 
 import io
-import sys
 from collections import Counter
 from pathlib import Path
 
+import demo_data
+import make_example_images
 import pytest
 
 from tessera import DEMO_MODEL, LLM, SamplingParams
 from tessera.entrypoints.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-sys.path.insert(0, str(REPO / "examples"))
-import demo_data  # noqa: E402
-import make_example_images  # noqa: E402
 
 HELD_OUT_SEED = 777  # training uses seeds 1 and 2, tools/eval_demo_model.py 12345
 

@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..config import CacheConfig, ModelConfig, MultiModalConfig, SchedulerConfig
@@ -44,7 +43,9 @@ class LLMEngine:
         self.processor = None
         self.pipeline = None
         if model_config.multimodal_config.uses_pipeline:  # a text model + a vision pipeline plugin
-            self.pipeline, self.processor, self.model = load_with_pipeline(model_config, self.tokenizer)
+            from ..pipelines.adapter import build_with_pipeline
+
+            self.pipeline, self.processor, self.model = build_with_pipeline(model_config, self.tokenizer)
         else:
             if MULTIMODAL_REGISTRY.get_factories(model_cls) is not None:
                 self.processor = MULTIMODAL_REGISTRY.create_processor(model_config, tokenizer=self.tokenizer)
@@ -292,32 +293,6 @@ class LLMEngine:
         self.encoder_cache = EncoderCache(self.encoder_cache.capacity)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.encoder_cache, self.encoder_budget)
         logger.info("Profile run with %s: %.2f s", counts, time.perf_counter() - start)
-
-
-def load_with_pipeline(model_config: ModelConfig, tokenizer: Any) -> tuple[Any, Any, Any]:
-    """(pipeline, processor, model) for a text model folder with a vision pipeline plugin."""
-    from ..multimodal.cache import ProcessingCache
-    from ..multimodal.context import InputProcessingContext
-    from ..pipelines import load_pipeline
-    from ..pipelines.adapter import (
-        PipelineDummyInputsBuilder,
-        PipelineForCausalLM,
-        PipelineMultiModalProcessor,
-        PipelineProcessingInfo,
-    )  # fmt: skip
-
-    mm = model_config.multimodal_config
-    name = None if mm.multimodal_pipeline in (None, "auto") else mm.multimodal_pipeline
-    params = {"model_path": str(model_config.model), **mm.pipeline_params}
-    pipeline = load_pipeline(name, model_name=Path(model_config.model).name, params=params,
-                             pipelines_dir=mm.pipelines_dir)  # fmt: skip
-    # Original LLaVA checkpoints carry the projector and vision tower beside the text weights.
-    text_model = load_model(model_config, ignore_prefixes=("model.mm_projector.", "model.vision_tower."))
-    model = PipelineForCausalLM(text_model, pipeline, tokenizer)
-    info = PipelineProcessingInfo(InputProcessingContext(model_config, tokenizer), pipeline)
-    cache = ProcessingCache.from_gb(mm.mm_processor_cache_gb)
-    processor = PipelineMultiModalProcessor(info, PipelineDummyInputsBuilder(info), cache=cache)
-    return pipeline, processor, model
 
 
 def _eos_token_ids(tokenizer: Any, *configs: Any) -> frozenset[int]:

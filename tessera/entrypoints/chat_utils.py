@@ -34,8 +34,10 @@ def parse_chat_messages(
             raise ValueError(f"Unsupported message role {role!r}; use 'system', 'user' or 'assistant'.")
         content = message.get("content")
         if isinstance(content, str) or content is None:
-            text_part = [{"type": "text", "text": content or ""}]
-            hf_messages.append({"role": role, "content": content or "" if image_text is not None else text_part})
+            text = content or ""
+            hf_messages.append(
+                {"role": role, "content": text if image_text is not None else [{"type": "text", "text": text}]}
+            )
             continue
         parts = []
         for part in content:

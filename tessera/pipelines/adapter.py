@@ -10,6 +10,7 @@ and puts image_start + placeholder_token_id x num_image_embeds + image_end in ea
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -18,14 +19,19 @@ from PIL import Image
 from torch import nn
 from transformers import BatchFeature
 
+from ..config import ModelConfig
 from ..models.interfaces import MultiModalEmbeddings, SupportsMultiModal
+from ..models.loader import load_model
 from ..models.utils import module_dtype_device
+from ..multimodal.cache import ProcessingCache
+from ..multimodal.context import InputProcessingContext
 from ..multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from ..multimodal.parse import MultiModalDataItems
 from ..multimodal.processing import BaseMultiModalProcessor, BaseProcessingInfo
 from ..multimodal.profiling import BaseDummyInputsBuilder
 from ..multimodal.prompt_updates import PromptReplacement, PromptUpdateDetails
 from .base import AbstractMultimodalPipeline
+from .discovery import load_pipeline
 
 IMAGE_MARKER = "<image>"
 
@@ -152,3 +158,22 @@ class PipelineForCausalLM(nn.Module, SupportsMultiModal):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden_states)
+
+
+def build_with_pipeline(
+    model_config: ModelConfig, tokenizer: Any
+) -> tuple[AbstractMultimodalPipeline, PipelineMultiModalProcessor, PipelineForCausalLM]:
+    """(pipeline, processor, model) for a text model folder with a vision pipeline plugin: the
+    pipeline chosen by name, else by the folder's name, as ModelConfig.multimodal_config says."""
+    mm = model_config.multimodal_config
+    name = None if mm.multimodal_pipeline in (None, "auto") else mm.multimodal_pipeline
+    params = {"model_path": str(model_config.model), **mm.pipeline_params}
+    pipeline = load_pipeline(name, model_name=Path(model_config.model).name, params=params,
+                             pipelines_dir=mm.pipelines_dir)  # fmt: skip
+    # Original LLaVA checkpoints carry the projector and vision tower beside the text weights.
+    text_model = load_model(model_config, ignore_prefixes=("model.mm_projector.", "model.vision_tower."))
+    model = PipelineForCausalLM(text_model, pipeline, tokenizer)
+    info = PipelineProcessingInfo(InputProcessingContext(model_config, tokenizer), pipeline)
+    cache = ProcessingCache.from_gb(mm.mm_processor_cache_gb)
+    processor = PipelineMultiModalProcessor(info, PipelineDummyInputsBuilder(info), cache=cache)
+    return pipeline, processor, model

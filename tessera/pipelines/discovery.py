@@ -25,15 +25,13 @@ def _import_module(folder: Path) -> Optional[types.ModuleType]:
     import its siblings relatively (`from .llava import ...`); None (with a warning) if it fails."""
     if folder in _loaded:
         return _loaded[folder]
-    package = f"tessera_pipeline_modules.{folder.parent.name}_{abs(hash(str(folder))) % 10**8}.{folder.name}"
+    # A package of its own per folder (named by load order: two folders may share a name).
+    package = f"_tessera_pipeline_module_{len(_loaded)}_{folder.name.replace('-', '_')}"
     module = None
     try:
-        for i, part in enumerate(package.split(".")):
-            name = ".".join(package.split(".")[: i + 1])
-            if name not in sys.modules:
-                stub = types.ModuleType(name)
-                stub.__path__ = [str(folder)] if name == package else []  # type: ignore[attr-defined]
-                sys.modules[name] = stub
+        stub = types.ModuleType(package)
+        stub.__path__ = [str(folder)]  # type: ignore[attr-defined]
+        sys.modules[package] = stub
         module = importlib.import_module(f"{package}.pipelines")
         missing = [
             a for a in ("available_pipelines", "get_pipeline", "get_pipeline_from_model_name") if not hasattr(module, a)

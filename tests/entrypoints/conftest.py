@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -17,8 +16,6 @@ from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
-sys.path.insert(0, str(REPO / "examples"))
 
 API_KEY = "test-key"
 MAX_IMAGES = 2

@@ -138,6 +138,11 @@ def build_app(
     return app
 
 
+# serve() options that configure the engine; the rest configure the app.
+ENGINE_OPTIONS = ("kv_cache_memory", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                  "multimodal_pipeline", "pipelines_dir", "pipeline_params")  # fmt: skip
+
+
 def serve(
     model: str,
     *,
@@ -161,10 +166,6 @@ def serve(
         uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         engine.shutdown()
-
-
-ENGINE_OPTIONS = ("kv_cache_memory", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                  "multimodal_pipeline", "pipelines_dir", "pipeline_params")  # fmt: skip
 
 
 class ServerThread:

@@ -6,7 +6,7 @@ than it asked for."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -97,6 +97,3 @@ class TokenizeRequest(BaseModel):
 def error_body(message: str, kind: str = "invalid_request_error", code: int = 400, param: Optional[str] = None):
     """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-FinishReason = Literal["stop", "length", "abort"]

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Optional
 
 from ...engine.async_engine import AsyncEngine, RequestStream
+from ...engine.prompt import process_prompt
 from ...multimodal.inline_images import IMG_TAG, inline_images_to_prompt
 from ...outputs import CompletionOutput, RequestOutput
 from ..chat_utils import render_chat
@@ -83,8 +84,6 @@ class OpenAIServing:
             prompt = await self.chat_prompt(request.messages, request.add_generation_prompt)
         else:
             prompt = await self.completion_prompt(request.prompt or "")
-        from ...engine.prompt import process_prompt
-
         inputs = await self.engine.call(process_prompt, self.engine.engine, prompt)
         placeholders: dict[str, list[dict]] = {}
         for item in inputs.mm_items:

@@ -15,7 +15,7 @@ import httpx
 import make_example_images
 import openai
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from tessera import DEMO_MODEL
 from tests.entrypoints.conftest import API_KEY, MAX_IMAGES, REPO, data_url, metric, wait_until_idle
@@ -24,7 +24,8 @@ IMAGE = REPO / "examples" / "three_shapes.png"
 SCENE = make_example_images.SCENES["three_shapes.png"]
 CAPTION = demo_data.describe(SCENE)
 CIRCLE_COLOUR = next(s["colour"] for s in SCENE if s["shape"] == "circle")
-NUM_IMAGE_TOKENS = 64  # the demo model: (64 px / 8 px patches)^2, CLS dropped ("default" strategy)
+_VISION = AutoConfig.from_pretrained(DEMO_MODEL).vision_config
+NUM_IMAGE_TOKENS = (_VISION.image_size // _VISION.patch_size) ** 2  # CLS dropped ("default" strategy)
 
 
 def ask(question: str, url: str) -> list[dict]:
@@ -106,10 +107,10 @@ def test_tokenize_reports_the_placeholder_ranges(server):
     body = httpx.post(server[0] + "/tokenize", headers=headers(), json={"prompt": prompt}).json()
     (placeholder,) = body["mm_placeholders"]["image"]
     tokens = body["tokens"]
-    image_token = tokens[placeholder["offset"]]
-    assert placeholder["length"] == NUM_IMAGE_TOKENS
-    assert tokens.count(image_token) == NUM_IMAGE_TOKENS == len(set(range(len(tokens))) & set(
-        range(placeholder["offset"], placeholder["offset"] + placeholder["length"])))  # fmt: skip
+    start, length = placeholder["offset"], placeholder["length"]
+    image_token = AutoConfig.from_pretrained(DEMO_MODEL).image_token_index
+    assert length == NUM_IMAGE_TOKENS
+    assert tokens[start : start + length] == [image_token] * length and tokens.count(image_token) == length
     assert body["count"] == len(tokens)
 
 
