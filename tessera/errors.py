@@ -1,0 +1,24 @@
+"""Errors that describe what a caller sent, each with the HTTP status the server answers it with.
+
+Everything here is a ValueError, so the offline API and the CLI treat them as bad input like any
+other ValueError; the server maps `status_code` onto its response."""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """Bad input: 400."""
+
+    status_code = 400
+
+
+class InputTooLargeError(InputError):
+    """Input over a size limit (bytes, pixels, characters): 413."""
+
+    status_code = 413
+
+
+class ServerBusyError(RuntimeError):
+    """Too much work of one kind is in flight (e.g. media fetches); retry later: 503."""
+
+    status_code = 503
