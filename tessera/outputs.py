@@ -33,7 +33,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: Optional[str] = None
-    """"stop" (EOS, a stop token or string), "length" (max_tokens or context), "abort", or None."""
+    """"stop" (EOS, a stop token or string), "length" (max_tokens or context), "abort", "error" (the
+    engine failed while running it; see RequestOutput.error), or None while it runs."""
 
     stop_reason: Optional[object] = None
     """The stop string or token id that ended the output, if any."""
@@ -54,6 +55,8 @@ class RequestOutput:
     prompt: Optional[str]
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    error: Optional[str] = None
+    """Why the engine failed this request (its outputs then finish with "error"), else None."""
 
     @property
     def finished(self) -> bool:

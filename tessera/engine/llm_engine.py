@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 from ..config import CacheConfig, ModelConfig, MultiModalConfig, SchedulerConfig
+from ..errors import InputError
 from ..layers.kv_cache import kv_cache_bytes_per_block
 from ..models.loader import load_model
 from ..models.registry import ModelRegistry
@@ -21,7 +22,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .encoder_cache import EncoderCache
 from .model_runner import ModelRunner
-from .prompt import PromptInputs, process_prompt
+from .prompt import PromptInputs, PromptType, longest_token_chars, process_prompt
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
 
@@ -54,6 +55,10 @@ class LLMEngine:
         text_config = model_config.hf_config.get_text_config()
         self.max_model_len = scheduler_config.max_model_len or text_config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(self.tokenizer, text_config, model_config.hf_config)
+        self.vocab_size = text_config.vocab_size  # token ids a prompt may hold: rows of the embedding table
+        # No text longer than this can fit the context (every token covers at most this many
+        # characters): refused before tokenizing, which is slow for megabytes.
+        self.max_prompt_chars = self.max_model_len * longest_token_chars(self.tokenizer)
 
         max_item = 0
         if self.processor is not None:
@@ -119,18 +124,26 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
 
+    def process_inputs(self, prompt: Union[PromptType, PromptInputs], params: SamplingParams) -> PromptInputs:
+        """Validate and process a prompt (tokenizer, HF processor) without touching the engine's
+        state, so the server runs it on a worker thread while the engine keeps stepping.
+        Bad input raises ValueError (an `InputError`)."""
+        inputs = prompt if isinstance(prompt, PromptInputs) else process_prompt(self, prompt, params.truncate_prompt_tokens)
+        self._check_fits(inputs, params)
+        return inputs
+
     def add_request(
         self,
         request_id: str,
-        prompt: Union[str, Mapping[str, Any], list[int]],
+        prompt: Union[PromptType, PromptInputs],
         params: SamplingParams,
         arrival_time: Optional[float] = None,
     ) -> None:
-        """Process and queue a prompt. Bad input raises ValueError and leaves the engine as it was."""
+        """Queue a prompt (processed here unless it is already `PromptInputs`). Bad input raises
+        ValueError and leaves the engine as it was."""
         if request_id in self.children:
-            raise ValueError(f"Request id {request_id!r} is already in use")
-        inputs = process_prompt(self, prompt, params.truncate_prompt_tokens)
-        self._check_fits(inputs, params)
+            raise InputError(f"Request id {request_id!r} is already in use")
+        inputs = self.process_inputs(prompt, params)
         max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(inputs.token_ids))
         arrival_time = arrival_time or time.monotonic()
         children = []
@@ -161,23 +174,23 @@ class LLMEngine:
     def _check_fits(self, inputs: PromptInputs, params: SamplingParams) -> None:
         num_tokens = len(inputs.token_ids)
         if num_tokens >= self.max_model_len:
-            raise ValueError(
+            raise InputError(
                 f"The prompt has {num_tokens} tokens but the model's context is {self.max_model_len}; "
                 "shorten it or set truncate_prompt_tokens."
             )
         if num_tokens == 0:
-            raise ValueError("The prompt is empty.")
+            raise InputError("The prompt is empty.")
         capacity = min(self.encoder_budget, self.encoder_cache.capacity)
         for item in inputs.mm_items:
             if item.num_embeds > capacity:
-                raise ValueError(
+                raise InputError(
                     f"A {item.modality} needs {item.num_embeds} encoder rows but the encoder budget is {capacity}; "
                     "raise max_num_encoder_input_tokens / encoder_cache_size or send a smaller item."
                 )
         kv_tokens = self.num_blocks * self.cache_config.block_size
         needed = min(num_tokens + (params.max_tokens or self.max_model_len), self.max_model_len)
         if needed > kv_tokens:
-            raise ValueError(
+            raise InputError(
                 f"This request may need {needed} tokens of KV cache but it holds {kv_tokens}; "
                 "raise kv_cache_memory or lower max_tokens."
             )
@@ -196,27 +209,59 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of the requests it advanced (finished ones last time)."""
+        """Run one step; returns the outputs of the requests it advanced (finished ones last time).
+
+        A failure while running the model fails the requests of this step (finish reason "error",
+        `RequestOutput.error` says why) and leaves the engine serving the others; only a failure of
+        the scheduler itself (the engine's own state) propagates."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("No request could be scheduled; the KV cache is too small for the waiting ones")
             return []
-        sampled = self.runner.execute(out, self.block_manager, self.encoder_cache)
+        try:
+            sampled = self.runner.execute(out, self.block_manager, self.encoder_cache)
+        except Exception as e:
+            logger.exception("The model failed on a step of %d request(s); failing them", len(out.scheduled))
+            return self._fail({step.request.parent_id: None for step in out.scheduled}, e)
         now = time.monotonic()
         touched: dict[str, None] = {}
+        failed: dict[str, BaseException] = {}
         for step in out.scheduled:
             request = step.request
-            request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
-            request.num_computed_tokens += step.num_new_tokens
-            self.block_manager.cache_full_blocks(request)
-            for item in request.mm_items:
-                if item.end <= request.num_computed_tokens:
-                    self.encoder_cache.release_item(item.hash, request.request_id)
-            if request.request_id in sampled:
-                self._append_token(request, *sampled[request.request_id], now)
-                touched[request.parent_id] = None
-        return [self._output(parent_id) for parent_id in touched]
+            try:
+                request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
+                request.num_computed_tokens += step.num_new_tokens
+                self.block_manager.cache_full_blocks(request)
+                for item in request.mm_items:
+                    if item.end <= request.num_computed_tokens:
+                        self.encoder_cache.release_item(item.hash, request.request_id)
+                if request.request_id in sampled:
+                    self._append_token(request, *sampled[request.request_id], now)
+                    touched[request.parent_id] = None
+            except Exception as e:  # e.g. the detokenizer on one request's tokens: that request only
+                logger.exception("Updating request %s failed; failing it", request.request_id)
+                failed[request.parent_id] = e
+        outputs = [self._output(parent_id) for parent_id in touched if parent_id not in failed]
+        for parent_id, e in failed.items():
+            outputs += self._fail({parent_id: None}, e)
+        return outputs
+
+    def _fail(self, parent_ids: Mapping[str, None], error: BaseException) -> list[RequestOutput]:
+        """End these requests (all their sequences) with finish reason "error" and free what they hold."""
+        message = f"The engine failed while running this request ({type(error).__name__})."
+        outputs = []
+        for parent_id in parent_ids:
+            if parent_id not in self.children:
+                continue
+            for child in self.children[parent_id]:
+                if not child.is_finished:
+                    child.metrics.finished_time = time.monotonic()
+                    self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+            output = self._output(parent_id)
+            output.error = message
+            outputs.append(output)
+        return outputs
 
     def _append_token(self, request: Request, token: int, logprobs: Optional[dict[int, float]], now: float) -> None:
         request.output_token_ids.append(token)
@@ -286,7 +331,9 @@ class LLMEngine:
         except ValueError as e:
             raise ValueError(f"The engine cannot run a worst-case prompt with this configuration: {e}") from e
         while self.has_unfinished_requests():
-            self.step()
+            for output in self.step():
+                if output.error is not None:
+                    raise RuntimeError("The profile run failed; see the log above for the model's error")
         self.block_manager = BlockManager(
             self.num_blocks, self.cache_config.block_size, enable_prefix_caching=self.cache_config.enable_prefix_caching
         )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from ..errors import InputError, InputTooLargeError
 from .request import MultiModalItem
 
 if TYPE_CHECKING:
@@ -32,18 +34,22 @@ def process_prompt(engine: "LLMEngine", prompt: PromptType, truncate_to: Optiona
     elif isinstance(prompt, list):
         prompt = {"prompt_token_ids": prompt}
     if not isinstance(prompt, Mapping):
-        raise ValueError(f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise InputError(f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
     text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
     if (text is None) == (token_ids is None):
-        raise ValueError('A prompt dict needs exactly one of "prompt" and "prompt_token_ids"')
+        raise InputError('A prompt dict needs exactly one of "prompt" and "prompt_token_ids"')
+    if text is not None:
+        _check_text(text, None if truncate_to is not None else engine.max_prompt_chars)
+    else:
+        token_ids = _checked_token_ids(token_ids, engine.vocab_size)
     mm_data = prompt.get("multi_modal_data") or {}
     if engine.processor is None:
         if mm_data:
-            raise ValueError(f"{engine.model_config.architectures[0]} is a text-only model; remove multi_modal_data.")
-        ids = engine.tokenizer.encode(text) if token_ids is None else list(token_ids)
+            raise InputError(f"{engine.model_config.architectures[0]} is a text-only model; remove multi_modal_data.")
+        ids = engine.tokenizer.encode(text) if token_ids is None else token_ids
         return _truncated(PromptInputs(text, ids, []), truncate_to)
     processed = engine.processor.apply(
-        text if token_ids is None else list(token_ids), mm_data, prompt.get("mm_processor_kwargs") or {}
+        text if token_ids is None else token_ids, mm_data, prompt.get("mm_processor_kwargs") or {}
     )
     items = [
         MultiModalItem(modality, processed["mm_hashes"][modality][i], processed["mm_kwargs"].get_item(modality, i), p)
@@ -51,6 +57,36 @@ def process_prompt(engine: "LLMEngine", prompt: PromptType, truncate_to: Optiona
         for i, p in enumerate(placeholders)
     ]
     return _truncated(PromptInputs(text, processed["prompt_token_ids"], items), truncate_to)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of this vocabulary stands for (its longest vocabulary string:
+    byte-level and byte-fallback spellings are never shorter than the text they cover)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+
+
+def _check_text(text: Any, max_chars: Optional[int]) -> None:
+    if not isinstance(text, str):
+        raise InputError(f'"prompt" must be a string, got {type(text).__name__}')
+    if max_chars is not None and len(text) > max_chars:
+        raise InputTooLargeError(
+            f"The prompt has {len(text)} characters, more than the model's context can hold "
+            f"(at most {max_chars}); shorten it."
+        )
+
+
+def _checked_token_ids(token_ids: Any, vocab_size: int) -> list[int]:
+    """The ids as a list of ints, each a row of the vocabulary, or an InputError naming the first bad one."""
+    if not isinstance(token_ids, (list, tuple)):
+        raise InputError(f'"prompt_token_ids" must be a list of integers, got {type(token_ids).__name__}')
+    for position, token in enumerate(token_ids):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise InputError(f"Token id at position {position} is {token!r}, not an integer.")
+        if not 0 <= token < vocab_size:
+            raise InputError(
+                f"Token id {token} at position {position} is outside the vocabulary (0 to {vocab_size - 1})."
+            )
+    return [int(token) for token in token_ids]
 
 
 def _truncated(inputs: PromptInputs, keep: Optional[int]) -> PromptInputs:

@@ -171,3 +171,61 @@ def test_an_item_that_can_never_fit_is_rejected_at_admission(tiny_llava_dir):
         llm.generate([llava_requests(2)[1], too_big], GREEDY, use_tqdm=False)
     assert_all_free(llm)  # the valid request queued before it was withdrawn
     assert len(tokens(llm.generate(llava_requests(2), GREEDY, use_tqdm=False))) == 2
+
+
+# ---- faults: one request's failure is that request's error only ------------------------------------
+
+
+def _run(engine):
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return finished
+
+
+def test_a_model_failure_fails_the_requests_of_that_step_and_the_engine_keeps_serving(
+    tiny_llava_dir, llava_reference
+):
+    llm = make_llm(tiny_llava_dir)
+    engine = llm.engine
+    execute, calls = engine.runner.execute, []
+
+    def failing_third_step(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return execute(*args)
+
+    engine.runner.execute = failing_third_step
+    requests = llava_requests(3)
+    engine.add_request("a", requests[0], GREEDY)
+    engine.add_request("b", requests[1], GREEDY)
+    finished = _run(engine)
+    for request_id in ("a", "b"):
+        output = finished[request_id]
+        assert output.error and "RuntimeError" in output.error
+        assert [o.finish_reason for o in output.outputs] == ["error"]
+        assert len(output.outputs[0].token_ids) < GREEDY.max_tokens  # stopped early
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert not engine.children and not engine.detokenizers and engine.encoder_cache.num_referenced == 0
+    # the engine goes on: a new request gets what it gets alone
+    assert tokens(llm.generate([requests[2]], GREEDY, use_tqdm=False)) == [llava_reference[2]]
+
+
+def test_a_failure_updating_one_request_fails_only_that_one(tiny_llava_dir, llava_reference, monkeypatch):
+    llm = make_llm(tiny_llava_dir)
+    engine = llm.engine
+    requests = llava_requests(2)
+    engine.add_request("ok", requests[0], GREEDY)
+    engine.add_request("bad", requests[1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=2))
+
+    def broken(token):
+        raise UnicodeError("injected")
+
+    monkeypatch.setattr(engine.detokenizers["bad#1"], "add", broken)
+    finished = _run(engine)
+    assert finished["ok"].error is None and tokens([finished["ok"]]) == [llava_reference[0]]
+    assert finished["bad"].error and {o.finish_reason for o in finished["bad"].outputs} == {"error"}
+    assert engine.block_manager.num_free_blocks == engine.num_blocks

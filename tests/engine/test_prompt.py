@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tessera.engine.prompt import process_prompt
+from tessera.engine.prompt import longest_token_chars, process_prompt
+from tessera.errors import InputError, InputTooLargeError
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tests.fixtures import build_tokenizer
 from tests.multimodal.test_processing import random_images
@@ -20,14 +21,15 @@ def engine(tiny_llava_dir):
     """What process_prompt reads of an engine: the LLaVA processor and tokenizer."""
     processor = MULTIMODAL_REGISTRY.create_processor(tiny_llava_dir)
     tokenizer = processor.info.get_tokenizer()
-    return SimpleNamespace(processor=processor, tokenizer=tokenizer, model_config=None)
+    return SimpleNamespace(processor=processor, tokenizer=tokenizer, model_config=None, vocab_size=len(tokenizer),
+                           max_prompt_chars=10_000)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def text_engine():
-    return SimpleNamespace(
-        processor=None, tokenizer=build_tokenizer("llava"), model_config=SimpleNamespace(architectures=["Llama"])
-    )
+    tokenizer = build_tokenizer("llava")
+    return SimpleNamespace(processor=None, tokenizer=tokenizer, model_config=SimpleNamespace(architectures=["Llama"]),
+                           vocab_size=len(tokenizer), max_prompt_chars=10_000)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +142,47 @@ def test_a_text_only_model_rejects_images(text_engine):
     prompt = {"prompt": "hi", "multi_modal_data": {"image": random_images([(8, 8)])}}
     with pytest.raises(ValueError, match="Llama is a text-only model"):
         process_prompt(text_engine, prompt)
+
+
+# ---- admission checks --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [[1, 10**6], [1, -5], [1, 2.0], [1, "3"], [True, 2], "not a list"])
+def test_token_ids_outside_the_vocabulary_or_not_integers_are_refused(text_engine, bad):
+    with pytest.raises(InputError, match="[Tt]oken id|must be a list"):
+        process_prompt(text_engine, {"prompt_token_ids": bad})
+
+
+def test_the_last_token_id_of_the_vocabulary_is_accepted_and_one_past_it_is_not(text_engine):
+    last = text_engine.vocab_size - 1
+    assert process_prompt(text_engine, [1, last]).token_ids == [1, last]
+    with pytest.raises(InputError, match=f"{last + 1} at position 1 is outside the vocabulary"):
+        process_prompt(text_engine, [1, last + 1])
+
+
+def test_numpy_integer_token_ids_become_ints(text_engine):
+    np = pytest.importorskip("numpy")
+    ids = process_prompt(text_engine, list(np.array([1, 2, 3]))).token_ids
+    assert ids == [1, 2, 3] and all(type(i) is int for i in ids)
+
+
+def test_a_text_longer_than_any_context_is_refused_before_tokenizing(text_engine, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(text_engine.tokenizer, "encode", never)
+    with pytest.raises(InputTooLargeError, match="10001 characters"):
+        process_prompt(text_engine, "x" * (text_engine.max_prompt_chars + 1))
+
+
+def test_a_prompt_that_is_not_text_is_refused(text_engine):
+    with pytest.raises(InputError, match='"prompt" must be a string'):
+        process_prompt(text_engine, {"prompt": 42})
+
+
+def test_no_token_covers_more_characters_than_the_longest_token_bound(text_engine):
+    """The length bound must never refuse a text that fits: tokens x longest >= characters."""
+    longest = longest_token_chars(text_engine.tokenizer)
+    assert longest == max(len(t) for t in text_engine.tokenizer.get_vocab())
+    for text in ["a" * 500, " " * 300, "USER: describe the image in detail " * 20, "\n\n\n" * 50]:
+        assert len(text_engine.tokenizer.encode(text, add_special_tokens=False)) * longest >= len(text)
