@@ -3,6 +3,8 @@
 On CPU, oneDNN with the weight reordered once into its blocked layout runs the small matmuls of
 decode steps ~1.7x (and large prefill ones ~1.4x) faster than the default BLAS call. The engine
 packs its model's linears after loading (`pack_linears_for_cpu`); the model code is unchanged.
+Only dtypes this CPU can pack are packed (`cpu_kernels`: e.g. no bfloat16 on AVX2-only CPUs); the
+others, or all under `TESSERA_CPU_KERNELS=fallback`, keep their dense weight and run `F.linear`.
 
 `MergedLinear` fuses projections that read the same input (q/k/v, gate/up) into one matmul; the
 loader fills each shard from the checkpoint tensor named after it.
@@ -16,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_kernels import PACKED, kernel_mode, linear_kernel, pack_weight, packed_linear
+
 
 class Linear(nn.Linear):
     packed_weight: Optional[torch.Tensor] = None
@@ -24,7 +28,7 @@ class Linear(nn.Linear):
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        out = packed_linear(flat, self.packed_weight, self.bias)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -46,12 +50,12 @@ class MergedLinear(Linear):
         return output.split(list(self.shards.values()), dim=-1)
 
 
-def pack_linears_for_cpu(model: nn.Module, batch_size_hint: int = 16) -> int:
-    """Reorder every CPU float32/bfloat16 `Linear` weight for oneDNN and drop the dense copy (kept
+def pack_linears_for_cpu(model: nn.Module, batch_size_hint: int = 16, mode: Optional[str] = None) -> int:
+    """Reorder every CPU `Linear` weight whose dtype this CPU packs (`cpu_kernels.linear_kernel`;
+    `mode` "auto"/"fallback" overrides $TESSERA_CPU_KERNELS) for oneDNN and drop the dense copy (kept
     when another module shares it, e.g. tied embeddings). Returns how many layers were packed.
-    The model is for inference afterwards: its linears no longer hold dense weights."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
+    The model is for inference afterwards: its packed linears no longer hold dense weights."""
+    mode = kernel_mode(mode)  # read $TESSERA_CPU_KERNELS once; a typo raises even with no Linear
     users: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         users[id(param)] = users.get(id(param), 0) + 1
@@ -60,9 +64,9 @@ def pack_linears_for_cpu(model: nn.Module, batch_size_hint: int = 16) -> int:
         weight = getattr(module, "weight", None)
         if not isinstance(module, Linear) or weight is None or weight.device.type != "cpu":
             continue
-        if weight.dtype not in (torch.float32, torch.bfloat16):
+        if linear_kernel(weight.dtype, mode) != PACKED:
             continue
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
+        module.packed_weight = pack_weight(weight, batch_size_hint)
         if users[id(weight)] == 1:
             module.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         packed += 1

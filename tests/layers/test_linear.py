@@ -1,26 +1,67 @@
-"""oneDNN-packed linears and fused projections."""
+"""oneDNN-packed linears (where this CPU packs the dtype), the F.linear fallback, and fused projections."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from tessera.layers.cpu_kernels import ENV, onednn_packs
 from tessera.layers.linear import Linear, MergedLinear, pack_linears_for_cpu
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
-
+@pytest.mark.parametrize("mode", ["auto", "fallback"], ids=["packed", "fallback"])
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_packed_linear_computes_the_same_as_dense(dtype, atol, rows):
+def test_linear_computes_the_same_as_dense(monkeypatch, mode, dtype, atol, rows):
+    monkeypatch.setenv(ENV, mode)
+    if mode == "auto" and not onednn_packs(dtype):
+        cap = torch.backends.cpu.get_cpu_capability()
+        pytest.skip(f"this CPU ({cap}) cannot pack {dtype} for oneDNN; the fallback case runs it")
     torch.manual_seed(0)
     layer = Linear(64, 48, bias=True).to(dtype)
+    dense = layer.weight.detach().clone()
     x = torch.randn(2, rows, 64, dtype=dtype)
-    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
-    assert pack_linears_for_cpu(layer) == 1
-    assert layer.weight.numel() == 0  # the dense copy is dropped
-    torch.testing.assert_close(layer(x), expected, atol=atol, rtol=0)
+    expected = F.linear(x, layer.weight, layer.bias)
+    if mode == "auto":
+        assert pack_linears_for_cpu(layer) == 1
+        assert layer.weight.numel() == 0  # the dense copy is dropped
+        torch.testing.assert_close(layer(x), expected, atol=atol, rtol=0)
+    else:
+        assert pack_linears_for_cpu(layer) == 0
+        assert layer.packed_weight is None and torch.equal(layer.weight, dense)
+        assert torch.equal(layer(x), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packing_follows_the_probe(monkeypatch, dtype):
+    """Where the probe says no (bfloat16 on AVX2-only CPUs), nothing is packed and the layer still works."""
+    monkeypatch.delenv(ENV, raising=False)
+    torch.manual_seed(0)
+    layer = Linear(32, 16, bias=False).to(dtype)
+    x = torch.randn(5, 32, dtype=dtype)
+    expected = F.linear(x, layer.weight)
+    assert pack_linears_for_cpu(layer) == int(onednn_packs(dtype))
+    torch.testing.assert_close(layer(x), expected, atol=5e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
+
+
+def test_fallback_runs_a_bfloat16_model(monkeypatch):
+    torch.manual_seed(0)
+    model = nn.Sequential(MergedLinear(16, {"gate_proj": 8, "up_proj": 8}), Linear(16, 4)).to(torch.bfloat16)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    expected = model(x)
+    monkeypatch.setenv(ENV, "auto")
+    assert pack_linears_for_cpu(model, mode="fallback") == 0  # the argument wins over the environment
+    monkeypatch.setenv(ENV, "fallback")
+    assert pack_linears_for_cpu(model) == 0
+    assert torch.equal(model(x), expected)
+
+
+def test_an_unknown_mode_is_refused(monkeypatch):
+    monkeypatch.setenv(ENV, "fast")
+    with pytest.raises(ValueError, match="TESSERA_CPU_KERNELS='fast'"):
+        pack_linears_for_cpu(nn.Identity())
 
 
 def test_shared_weights_keep_their_dense_copy():
