@@ -1,86 +1,209 @@
-"""Loading images from what users send: data URLs, base64 strings and local files."""
+"""Loading images from what users send: data URLs, local files and http(s) URLs, under a policy.
+
+`read_media_bytes` is the IO part (it blocks on the network for http(s) URLs, up to
+`MediaPolicy.timeout` in all), `decode_image` the CPU part; `load_image_url` is both. The fetch
+itself (addresses vetted, redirects re-checked, one total deadline) is in media_fetch.py, the
+header checks and decoding in image_decode.py.
+"""
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
-import urllib.error
-import urllib.request
+import dataclasses
+import os
+import stat
+import string
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
-from urllib.parse import unquote, urlparse
+from typing import Any, Optional, Union
+from urllib.parse import unquote, urlsplit
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
+
+from ..errors import InputError, InputTooLargeError
+from .image_decode import check_image, decode_image
+from .media_fetch import fetch_url, normalize_host
+
+__all__ = [
+    "IMAGE_MIME_TYPES",
+    "MediaPolicy",
+    "check_image",
+    "decode_image",
+    "is_http_url",
+    "load_image_url",
+    "read_media_bytes",
+]
 
 IMAGE_MIME_TYPES = ("image/jpeg", "image/png", "image/webp", "image/gif", "image/bmp")
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "MPO")  # PIL's names; MPO is a multi-picture JPEG
+MAX_URL_CHARS = 8192  # for http(s) URLs and paths; data URLs are limited by max_bytes
+ASCII_WHITESPACE = b" \t\n\r\x0b\x0c"
+CONTROL_OR_SPACE = "".join(map(chr, range(33)))
+SCHEME_CHARS = frozenset(string.ascii_letters + string.digits + "+-.")
 
 
-def load_image_bytes(data: bytes, where: str = "image") -> Image.Image:
+@dataclass(frozen=True)
+class MediaPolicy:
+    """What may be loaded, and the limits. The default suits untrusted callers that send data URLs."""
+
+    allowed_local_dir: Optional[Union[Path, str]] = None
+    """Local files (paths, file:// URLs) are read only inside this folder (symlinks resolved)."""
+    allow_any_local: bool = False
+    """Any local file may be read (the offline API and the CLI, whose caller owns the files)."""
+    fetch_urls: bool = False
+    """http(s) URLs are fetched."""
+    allowed_domains: Optional[tuple[str, ...]] = None
+    """If set, only these hostnames are fetched (exact match, case-insensitive), on every redirect too."""
+    allow_private_networks: bool = False
+    """Fetch from loopback, private, link-local, multicast, reserved and unspecified addresses too."""
+    max_bytes: int = 20 * 2**20
+    """The most bytes of one image: fetched, read from a file, or decoded from base64."""
+    timeout: float = 10.0
+    """Seconds one fetch may take in all: DNS, connecting, TLS, every read and every redirect."""
+    max_redirects: int = 3
+    max_pixels: int = 64 * 2**20
+    """The most width * height (checked from the header, before decoding)."""
+    max_aspect_ratio: float = 200.0
+    """The most max(width, height) / min(width, height) (checked before decoding)."""
+    min_side: int = 4
+    """The fewest pixels on each side. HF image processors guess the channel axis from the array's
+    shape, so an image 1 or 3 pixels high is misread (an error, or silently wrong pixels)."""
+    image_formats: Optional[tuple[str, ...]] = IMAGE_FORMATS
+    """The PIL formats decoded (None: every format PIL reads)."""
+
+    def __post_init__(self) -> None:
+        if self.allowed_domains is not None:
+            domains = (self.allowed_domains,) if isinstance(self.allowed_domains, str) else self.allowed_domains
+            object.__setattr__(self, "allowed_domains", tuple(normalize_host(d) for d in domains))
+        if self.image_formats is not None:
+            object.__setattr__(self, "image_formats", tuple(f.upper() for f in self.image_formats))
+        for name in ("max_bytes", "max_pixels", "min_side"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MediaPolicy.{name} must be at least 1.")
+        if self.timeout <= 0 or self.max_redirects < 0 or self.max_aspect_ratio < 1:
+            raise ValueError("MediaPolicy needs timeout > 0, max_redirects >= 0 and max_aspect_ratio >= 1.")
+
+
+def url_scheme(url: str) -> str:
+    """The scheme of `url` in lower case, "" if none, read as urlsplit reads it (leading control
+    characters and spaces skipped, tabs and newlines ignored) but without judging the rest."""
+    head = url[:64].lstrip(CONTROL_OR_SPACE).replace("\t", "").replace("\r", "").replace("\n", "")
+    scheme, colon, _ = head.partition(":")
+    if not colon or scheme[:1] not in string.ascii_letters or not set(scheme) <= SCHEME_CHARS:
+        return ""
+    return scheme.lower()
+
+
+def is_http_url(url: str) -> bool:
+    """Whether `url` is fetched over the network (read_media_bytes then blocks up to the timeout)."""
+    return url_scheme(url) in ("http", "https")
+
+
+def too_large(max_bytes: int) -> InputTooLargeError:
+    return InputTooLargeError(f"The image is over the size limit of {max_bytes} bytes.")
+
+
+def read_media_bytes(url: str, policy: MediaPolicy) -> bytes:
+    """The bytes of the image at `url`: a `data:image/...;base64,` URL, a `file://` URL or local
+    path (under the policy's local-file rules), or an http(s) URL (if the policy fetches them).
+
+    Every failure is an InputError (InputTooLargeError over max_bytes) with a message fit for the
+    client; fetch failures all share one message (the reason goes to media_fetch's log)."""
+    if url[:5].lower() == "data:":
+        return read_data_url(url, policy.max_bytes)
+    if is_http_url(url):
+        if not policy.fetch_urls:
+            raise InputError("http(s) image URLs are not fetched here; send a data URL instead.")
+        if len(url) > MAX_URL_CHARS:
+            raise InputError(f"The image URL is over {MAX_URL_CHARS} characters long.")
+        return fetch_url(url, policy)
+    scheme = url_scheme(url)
+    if scheme not in ("", "file") and len(scheme) > 1:  # (a one-letter scheme is a Windows drive)
+        raise InputError(f"Unsupported image URL scheme {scheme[:20]!r}; send a data URL, http(s) or a file.")
+    return read_local_file(url, scheme == "file", policy)
+
+
+def read_data_url(url: str, max_bytes: int) -> bytes:
+    """The bytes of a base64 data URL; line-wrapped base64 is fine, anything else not base64 is not."""
+    header, _, payload = url.partition(",")
+    params = [p.strip().lower() for p in header[5:].split(";")]
+    if params[0] not in IMAGE_MIME_TYPES:
+        shown = repr(params[0][:40]) if params[0] else "none"
+        raise InputError(f"Unsupported media type {shown}; send one of {', '.join(IMAGE_MIME_TYPES)}.")
+    if "base64" not in params[1:]:
+        raise InputError("Image data URLs must be base64-encoded (data:image/png;base64,...).")
+    # The size the payload decodes to, from its length (4 characters carry 3 bytes), before any copy.
+    chars = len(payload) - sum(payload.count(c) for c in ASCII_WHITESPACE.decode())
+    if chars // 4 * 3 - 2 > max_bytes:
+        raise too_large(max_bytes)
     try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise ValueError(f"The {where} could not be decoded as an image ({e}).") from e
-    return image
-
-
-def fetch_url(url: str, *, max_bytes: int, timeout: float) -> bytes:
-    """The body at an http(s) URL, refusing more than max_bytes or a wait over timeout seconds."""
-    request = urllib.request.Request(url, headers={"User-Agent": "tessera"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            length = response.headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > max_bytes:
-                raise ValueError(f"The image at {url} is {int(length)} bytes, over the limit of {max_bytes}.")
-            data = response.read(max_bytes + 1)
-    except urllib.error.HTTPError as e:
-        raise ValueError(f"Fetching the image at {url} failed: HTTP {e.code}.") from e
-    except (urllib.error.URLError, TimeoutError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise ValueError(f"Fetching the image at {url} failed: {reason}.") from e
+        compact = b"".join(payload.encode("ascii").split())  # bytes.split() splits on ASCII whitespace only
+        data = base64.b64decode(compact, validate=True)
+    except (UnicodeEncodeError, binascii.Error, ValueError) as e:
+        raise InputError("The image data URL is not valid base64.") from e
     if len(data) > max_bytes:
-        raise ValueError(f"The image at {url} is over the limit of {max_bytes} bytes.")
+        raise too_large(max_bytes)
     return data
 
 
-def load_image_url(
-    url: str,
-    *,
-    allowed_local_dir: Optional[str | Path] = None,
-    allow_any_local: bool = False,
-    fetch_http: bool = False,
-    max_bytes: int = 20 * 2**20,
-    timeout: float = 10.0,
-) -> Image.Image:
-    """An image from a `data:image/...;base64,` URL, a `file://` URL, a local path, or with
-    `fetch_http` an http(s) URL (at most max_bytes, within timeout seconds).
+def read_local_file(url: str, is_file_url: bool, policy: MediaPolicy) -> bytes:
+    """The bytes of a local file: a regular file, inside the allowed folder unless any is allowed.
 
-    Local files are read only inside `allowed_local_dir`, or anywhere with `allow_any_local`
-    (the offline API, whose caller owns the files)."""
-    if url.startswith("data:"):
-        header, _, payload = url.partition(",")
-        mime = header[5:].split(";")[0].lower()
-        if mime not in IMAGE_MIME_TYPES:
-            raise ValueError(f"Unsupported media type {mime or 'none'!r}; send one of {', '.join(IMAGE_MIME_TYPES)}.")
-        if ";base64" not in header:
-            raise ValueError("Image data URLs must be base64-encoded (data:image/png;base64,...).")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise ValueError(f"The image data URL is not valid base64 ({e}).") from e
-        return load_image_bytes(data, "data URL")
-    parsed = urlparse(url)
-    if parsed.scheme in ("http", "https"):
-        if not fetch_http:
-            raise ValueError("http(s) image URLs are not fetched here; send a data URL or a local file path.")
-        return load_image_bytes(fetch_url(url, max_bytes=max_bytes, timeout=timeout), f"image at {url}")
-    if parsed.scheme not in ("", "file") and len(parsed.scheme) > 1:  # (a one-letter scheme is a Windows drive)
-        raise ValueError(f"Unsupported image URL scheme {parsed.scheme!r}; send a data URL, http(s) or a file.")
-    path = Path(unquote(parsed.path) if parsed.scheme == "file" else url).expanduser().resolve()
-    if not allow_any_local:
-        if allowed_local_dir is None or not path.is_relative_to(Path(allowed_local_dir).resolve()):
-            raise ValueError(f"Local file {path} is not inside the allowed media folder.")
-    if not path.is_file():
-        raise ValueError(f"Image file {path} does not exist.")
-    return load_image_bytes(path.read_bytes(), f"file {path}")
+    Messages never show the resolved path; with allow_any_local (the caller owns the files) they
+    repeat the path as given."""
+    if not policy.allow_any_local and policy.allowed_local_dir is None:
+        raise InputError("Local image files are not read here; send a data URL instead.")
+    try:
+        given = unquote(urlsplit(url).path) if is_file_url else url
+    except ValueError as e:
+        raise InputError("The image file URL is not valid.") from e
+    named = f"Image file {given[:300]}" if policy.allow_any_local else "The image file"
+    if len(given) > MAX_URL_CHARS:
+        raise InputError("The image file path is too long.")
+    try:
+        path = Path(given).expanduser().resolve()
+    except (OSError, ValueError, RuntimeError) as e:
+        raise InputError(f"{named} is not a valid path.") from e
+    if not policy.allow_any_local and not path.is_relative_to(Path(policy.allowed_local_dir).resolve()):
+        raise InputError("The local file is not inside the allowed media folder.")
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)  # O_NONBLOCK: a FIFO must not hang us; O_NOFOLLOW: resolved above
+    except FileNotFoundError as e:
+        raise InputError(f"{named} does not exist.") from e
+    except IsADirectoryError as e:
+        raise InputError(f"{named} is a folder, not a file.") from e
+    except (OSError, ValueError) as e:
+        raise InputError(f"{named} could not be read.") from e
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise InputError(f"{named} is a folder, not a file.")
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"{named} is not a regular file.")
+        if info.st_size > policy.max_bytes:
+            raise too_large(policy.max_bytes)
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read(policy.max_bytes + 1)
+    except OSError as e:
+        raise InputError(f"{named} could not be read.") from e
+    finally:
+        os.close(fd)
+    if len(data) > policy.max_bytes:  # it grew since fstat
+        raise too_large(policy.max_bytes)
+    return data
+
+
+LEGACY_NAMES = {"fetch_http": "fetch_urls"}
+
+
+def load_image_url(url: str, policy: Optional[MediaPolicy] = None, **overrides: Any) -> Image.Image:
+    """The RGB image at `url` (see read_media_bytes), checked and decoded under `policy`.
+
+    Keyword overrides replace policy fields: `load_image_url(url, allow_any_local=True)`
+    (`fetch_http=` is the old name of `fetch_urls=`)."""
+    policy = policy or MediaPolicy()
+    if overrides:
+        policy = dataclasses.replace(policy, **{LEGACY_NAMES.get(k, k): v for k, v in overrides.items()})
+    return decode_image(read_media_bytes(url, policy), policy)
