@@ -12,9 +12,12 @@ from tqdm.auto import tqdm
 from .engine.llm_engine import LLMEngine
 from .engine.prompt import PromptType
 from .entrypoints.chat_utils import Message, render_chat
-from .multimodal.media import load_image_url
+from .multimodal.media import MediaPolicy, load_image_url
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+
+# The offline API's caller owns the machine: any local file, and no network unless they load it themselves.
+LOCAL_FILES = MediaPolicy(allow_any_local=True)
 
 
 class LLM:
@@ -103,7 +106,7 @@ class LLM:
     ) -> dict:
         """The engine prompt for an OpenAI-style conversation: text through the chat template,
         images loaded in order (data URLs, file:// URLs, local paths or image_pil parts)."""
-        load = functools.partial(load_image_url, allow_any_local=True)
+        load = functools.partial(load_image_url, policy=LOCAL_FILES)
         renderer, image_text = self.engine.chat_renderer()
         return render_chat(renderer, chat_template or self.chat_template, messages, load, add_generation_prompt,
                            image_text)  # fmt: skip

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 _GREEDY_EPSILON = 1e-5
+_SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes (n outputs use seed + index)
 
 
 @dataclass
@@ -62,6 +63,10 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
+            (
+                self.seed is None or _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1] - self.n,
+                f"seed must be a 64-bit signed integer (from {_SEED_RANGE[0]} to {_SEED_RANGE[1] - self.n}), got {self.seed}",
+            ),
             (
                 self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
                 f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}",

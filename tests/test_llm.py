@@ -270,7 +270,7 @@ def test_chat_takes_several_conversations_and_plain_string_content(llm):
 
 
 def test_chat_rejects_an_unknown_content_part(llm):
-    with pytest.raises(ValueError, match="Unsupported content part type 'audio_url'"):
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: unsupported content part type 'audio_url'"):
         llm.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": "x"}]}], use_tqdm=False)
 
 

@@ -1,10 +1,16 @@
 """The engine for asyncio callers (the server): one thread steps the engine, coroutines add
 requests and read their outputs as they come.
 
-The engine itself is single-threaded. Everything that touches it — adding, aborting, tokenizing,
+The engine itself is single-threaded. Everything that touches its state — adding, aborting,
 stepping — runs on the engine thread; coroutines hand it work through `call()` and receive each
 request's outputs on an asyncio queue. So requests from many HTTP connections are batched
 together step by step (continuous batching), and a bad request fails alone, before it is queued.
+Prompt processing (tokenizing, the HF processor: the slow part of a request with images) runs on
+a small worker pool first, so a heavy prompt never stalls the steps of the others.
+
+A model failure fails only the requests of that step (`RequestFailedError` on their streams).
+If the engine thread itself dies, every stream gets `EngineDeadError`, `is_alive` turns False and
+the `on_dead` callbacks run (the server uses one to exit, so a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, TypeVar
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
+from .prompt import PromptInputs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -26,6 +34,10 @@ T = TypeVar("T")
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped after an unexpected error; the server cannot generate any more."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request (not the caller's fault); others go on."""
 
 
 class RequestStream:
@@ -70,13 +82,15 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, *, preprocess_workers: int = 2) -> None:
         self.engine = engine
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}
         self._stopped = False
         self.dead: Optional[BaseException] = None
+        self.on_dead: list[Callable[[BaseException], None]] = []
+        self._preprocess = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="tessera-preprocess")
         self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
         self._thread.start()
 
@@ -117,21 +131,36 @@ class AsyncEngine:
         self._calls.put((fn, args))
         self._wakeup.set()
 
+    async def process(self, prompt: Any, params: Optional[SamplingParams] = None) -> PromptInputs:
+        """Validate and process a prompt on the worker pool (the engine keeps stepping meanwhile);
+        bad input raises ValueError."""
+        if not self.is_alive:
+            raise EngineDeadError(f"The engine has stopped: {self.dead!r}")
+        loop = asyncio.get_running_loop()
+        params = params or SamplingParams()
+        return await loop.run_in_executor(self._preprocess, self.engine.process_inputs, prompt, params)
+
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> RequestStream:
         """Process and queue a prompt; bad input raises ValueError here, before anything is queued."""
+        inputs = await self.process(prompt, params)
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        await self.call(self._add, stream, prompt, params)
+        try:
+            await self.call(self._add, stream, inputs, params)
+        except asyncio.CancelledError:  # the caller went away; the add may still run: undo it after
+            stream.abort()
+            raise
         return stream
 
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self._preprocess.shutdown(wait=False, cancel_futures=True)
 
     # ---- the engine thread -----------------------------------------------------------------------
 
-    def _add(self, stream: RequestStream, prompt: Any, params: SamplingParams) -> None:
-        self.engine.add_request(stream.request_id, prompt, params)
+    def _add(self, stream: RequestStream, inputs: PromptInputs, params: SamplingParams) -> None:
+        self.engine.add_request(stream.request_id, inputs, params)
         self._streams[stream.request_id] = stream
 
     def _abort(self, request_id: str) -> None:
@@ -152,14 +181,20 @@ class AsyncEngine:
                         continue
                     if output.finished:
                         del self._streams[output.request_id]
-                    if not stream.put(output) and not output.finished:  # its reader is gone: stop it
+                    item = output if output.error is None else RequestFailedError(output.error)
+                    if not stream.put(item) and not output.finished:  # its reader is gone: stop it
                         self._abort(output.request_id)
-        except BaseException as e:  # a bug, not bad input (that fails in add_request): fail every request
+        except BaseException as e:  # the engine's own state is broken: fail every request, report death
             logger.exception("The engine thread stopped")
             self.dead = e
             for stream in self._streams.values():
-                stream.put(EngineDeadError(f"The engine failed: {e!r}"))
+                stream.put(EngineDeadError("The engine stopped after an internal error; the server must be restarted."))
             self._streams.clear()
+            for callback in self.on_dead:
+                try:
+                    callback(e)
+                except Exception:
+                    logger.exception("An on_dead callback failed")
 
     def _drain_calls(self) -> None:
         while True:

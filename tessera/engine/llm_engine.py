@@ -92,6 +92,7 @@ class LLMEngine:
         self.children: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.prompts: dict[str, PromptInputs] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._profiling = False
         self._profile_run()
 
     @classmethod
@@ -222,6 +223,8 @@ class LLMEngine:
         try:
             sampled = self.runner.execute(out, self.block_manager, self.encoder_cache)
         except Exception as e:
+            if self._profiling:  # the configuration cannot run at all: say so at start-up
+                raise
             logger.exception("The model failed on a step of %d request(s); failing them", len(out.scheduled))
             return self._fail({step.request.parent_id: None for step in out.scheduled}, e)
         now = time.monotonic()
@@ -330,10 +333,12 @@ class LLMEngine:
                              SamplingParams(max_tokens=1, temperature=0.0))  # fmt: skip
         except ValueError as e:
             raise ValueError(f"The engine cannot run a worst-case prompt with this configuration: {e}") from e
-        while self.has_unfinished_requests():
-            for output in self.step():
-                if output.error is not None:
-                    raise RuntimeError("The profile run failed; see the log above for the model's error")
+        self._profiling = True
+        try:
+            while self.has_unfinished_requests():
+                self.step()
+        finally:
+            self._profiling = False
         self.block_manager = BlockManager(
             self.num_blocks, self.cache_config.block_size, enable_prefix_caching=self.cache_config.enable_prefix_caching
         )

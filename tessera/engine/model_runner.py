@@ -7,11 +7,13 @@ text embeddings at those positions, so an image split across chunks is encoded o
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from ..layers.attention import AttentionMetadata, attention_metadata
+from ..layers.cpu_kernels import describe_cpu_kernels
 from ..layers.kv_cache import allocate_kv_cache
 from ..layers.linear import pack_linears_for_cpu
 from ..layers.sampler import SamplerOutput, sample
@@ -21,6 +23,8 @@ from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
 from .scheduler import SchedulerOutput
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
     def __init__(
@@ -29,6 +33,7 @@ class ModelRunner:
         self.model, self.block_size, self.device = model, block_size, device
         allocate_kv_cache(model, num_blocks, block_size, dtype, device)
         if torch.device(device).type == "cpu":
+            logger.info(describe_cpu_kernels())
             pack_linears_for_cpu(model)
 
     @torch.inference_mode()

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
+from ..errors import InputError
+
 Message = Mapping[str, Any]
 ImageLoader = Callable[[str], Any]
 
@@ -16,7 +18,7 @@ def image_url_of(part: Mapping[str, Any]) -> str:
     value = part.get("image_url")
     url = value.get("url") if isinstance(value, Mapping) else value
     if not isinstance(url, str) or not url:
-        raise ValueError("An image_url content part needs {'image_url': {'url': 'data:image/...;base64,...'}}.")
+        raise InputError("An image_url content part needs {'image_url': {'url': 'data:image/...;base64,...'}}.")
     return url
 
 
@@ -25,13 +27,17 @@ def parse_chat_messages(
 ) -> tuple[list[dict], list[Any]]:
     """(messages in the form HF chat templates take, the images in order of appearance). With
     `image_text` (pipeline mode: a text model's template knows no images) each message becomes
-    one string with `image_text` where its images were."""
+    one string with `image_text` where its images were. Malformed messages raise InputError."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise InputError(f"messages must be a list of message objects, got {type(messages).__name__}.")
     images: list[Any] = []
     hf_messages = []
-    for message in messages:
+    for m, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InputError(f"messages[{m}] must be an object with 'role' and 'content', got {_kind(message)}.")
         role = message.get("role")
         if role not in ("system", "user", "assistant"):
-            raise ValueError(f"Unsupported message role {role!r}; use 'system', 'user' or 'assistant'.")
+            raise InputError(f"messages[{m}]: unsupported role {role!r}; use 'system', 'user' or 'assistant'.")
         content = message.get("content")
         if isinstance(content, str) or content is None:
             text = content or ""
@@ -39,11 +45,23 @@ def parse_chat_messages(
                 {"role": role, "content": text if image_text is not None else [{"type": "text", "text": text}]}
             )
             continue
+        if not isinstance(content, list):
+            raise InputError(
+                f"messages[{m}].content must be a string or a list of content parts, got {_kind(content)}."
+            )
         parts = []
-        for part in content:
+        for p, part in enumerate(content):
+            where = f"messages[{m}].content[{p}]"
+            if isinstance(part, str):  # a bare string is a text part (as vLLM takes it)
+                part = {"type": "text", "text": part}
+            if not isinstance(part, Mapping):
+                raise InputError(f"{where} must be a string or an object with a 'type', got {_kind(part)}.")
             kind = part.get("type")
             if kind == "text":
-                parts.append({"type": "text", "text": part.get("text") or ""})
+                text = part.get("text")
+                if not isinstance(text, (str, type(None))):
+                    raise InputError(f"{where}.text must be a string, got {_kind(text)}.")
+                parts.append({"type": "text", "text": text or ""})
             elif kind == "image_url":
                 images.append(load_image(image_url_of(part)))
                 parts.append({"type": "image"})
@@ -51,13 +69,32 @@ def parse_chat_messages(
                 images.append(part["image_pil"])
                 parts.append({"type": "image"})
             else:
-                raise ValueError(f"Unsupported content part type {kind!r}; use 'text', 'image_url' or 'image_pil'")
+                raise InputError(f"{where}: unsupported content part type {kind!r}; use 'text' or 'image_url'.")
         if image_text is not None:
             text = "".join(image_text if p["type"] == "image" else p["text"] for p in parts)
             hf_messages.append({"role": role, "content": text})
         else:
             hf_messages.append({"role": role, "content": parts})
     return hf_messages, images
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__
+    )
+
+
+def render_prompt(
+    renderer: Any, chat_template: Optional[str], hf_messages: list[dict], images: list[Any],
+    add_generation_prompt: bool = True,
+) -> dict:  # fmt: skip
+    """The engine prompt for parsed messages and their loaded images."""
+    if chat_template is None:
+        raise InputError("This model has no chat template; pass chat_template=... or use generate().")
+    prompt = renderer.apply_chat_template(
+        hf_messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else {"prompt": prompt}
 
 
 def render_chat(
@@ -71,9 +108,4 @@ def render_chat(
     """The engine prompt for a conversation: {"prompt": text, "multi_modal_data": {"image": [...]}}.
     `renderer` is the model's HF processor (or tokenizer for text-only models)."""
     hf_messages, images = parse_chat_messages(messages, load_image, image_text)
-    if chat_template is None:
-        raise ValueError("This model has no chat template; pass chat_template=... or use generate().")
-    prompt = renderer.apply_chat_template(
-        hf_messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
-    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else {"prompt": prompt}
+    return render_prompt(renderer, chat_template, hf_messages, images, add_generation_prompt)

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from .. import DEMO_MODEL
-from ..multimodal.media import load_image_url
+from ..multimodal.media import MediaPolicy, load_image_url
 from ..sampling_params import SamplingParams
+
+LOCAL_FILES = MediaPolicy(allow_any_local=True)  # the user's own files; no network
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,8 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize")
-    serve.add_argument("--allowed-media-dir", default=None, metavar="DIR",
-                       help="local image files (file:// URLs or paths) are read only inside this folder")  # fmt: skip
+    serve.add_argument("--allowed-local-media-path", "--allowed-media-dir", dest="allowed_media_dir", default=None,
+                       metavar="DIR", help="read local image files (file:// URLs or paths) inside this folder; "
+                       "by default none are read")  # fmt: skip
+    serve.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="fetch http(s) image URLs only from these hosts (default: any public host)")  # fmt: skip
+    serve.add_argument("--disable-media-url-fetch", action="store_true", help="never fetch http(s) image URLs")
+    serve.add_argument("--allow-private-media-urls", action="store_true",
+                       help="also fetch from loopback, private and link-local addresses (refused by default)")  # fmt: skip
+    serve.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="S",
+                       help="total seconds for one image download, redirects included (default 10)")  # fmt: skip
     serve.add_argument("--max-images-per-prompt", type=int, default=None, metavar="N", help="refuse prompts with more")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     serve.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default 1GiB)")
@@ -116,18 +126,25 @@ def _serve(args: argparse.Namespace) -> int:
         folder = _model_folder(args.model)
         if args.allowed_media_dir is not None and not Path(args.allowed_media_dir).is_dir():
             raise ValueError(f"--allowed-media-dir {args.allowed_media_dir} is not a folder.")
+        from ..multimodal.media import MediaPolicy
         from .openai.api_server import serve
 
-        serve(str(folder), host=args.host, port=args.port, served_model_name=args.served_model_name,
-              api_key=args.api_key, allowed_media_dir=args.allowed_media_dir,
-              max_images_per_prompt=args.max_images_per_prompt, max_request_bytes=args.max_request_bytes,
-              kv_cache_memory=args.kv_cache_memory, **_pipeline_kwargs(args))  # fmt: skip
+        policy = MediaPolicy(
+            allowed_local_dir=args.allowed_media_dir,
+            fetch_urls=not args.disable_media_url_fetch,
+            allowed_domains=tuple(args.allowed_media_domains) if args.allowed_media_domains else None,
+            allow_private_networks=args.allow_private_media_urls,
+            timeout=args.media_fetch_timeout,
+        )
+        return serve(str(folder), host=args.host, port=args.port, served_model_name=args.served_model_name,
+                     api_key=args.api_key, media_policy=policy, max_images_per_prompt=args.max_images_per_prompt,
+                     max_request_bytes=args.max_request_bytes, kv_cache_memory=args.kv_cache_memory,
+                     **_pipeline_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 def _load(model: Optional[str], out: TextIO, options: Optional[dict] = None) -> Any:
@@ -163,7 +180,7 @@ def stream_chat(llm: Any, messages: list[dict], params: SamplingParams) -> Itera
         text = "".join(placeholder("image", i) or "" for i in range(len(images))) + text
         prompt = {
             "prompt": text,
-            "multi_modal_data": {"image": [load_image_url(u, allow_any_local=True) for u in images]},
+            "multi_modal_data": {"image": [load_image_url(u, LOCAL_FILES) for u in images]},
         }
     request_id = f"cli-{time.monotonic_ns()}"
     engine.add_request(request_id, prompt, params)
@@ -172,6 +189,8 @@ def stream_chat(llm: Any, messages: list[dict], params: SamplingParams) -> Itera
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.request_id == request_id:
+                    if output.error is not None:
+                        raise RuntimeError(output.error)
                     text = output.outputs[0].text
                     if len(text) > printed:
                         yield text[printed:]
@@ -211,20 +230,24 @@ def _chat(llm: Any, params: SamplingParams, stdin: TextIO, out: TextIO) -> None:
             continue
         if line.startswith("/image"):
             path = line[len("/image") :].strip()
-            if not Path(path).is_file():
-                out.write(f"(no such image file: {path})\n")
+            try:
+                load_image_url(str(Path(path).resolve()), LOCAL_FILES)  # refuse a bad file now, not mid-turn
+            except ValueError as e:
+                out.write(f"(not attached: {e})\n")
             else:
                 images.append(path)
                 out.write(f"(attached {path})\n")
             continue
-        history.append(_user_message(line, images))
-        images = []
+        turn = len(history)
         try:
+            history.append(_user_message(line, images))
             answer = _stream_answer(llm, history, params, out)
-        except ValueError as e:  # e.g. too many images: report it, drop the turn, keep chatting
-            history.pop()
+        except Exception as e:  # e.g. too many images: report it in one line, drop the turn, keep chatting
+            del history[turn:]
             out.write(f"(error: {e})\n")
             continue
+        finally:
+            images = []
         history.append({"role": "assistant", "content": answer})
 
 

@@ -7,6 +7,7 @@ processor kwargs, so a hit is exactly what the HF processor would have produced.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +29,8 @@ class CacheStats:
 
 
 class ProcessingCache:
+    """Thread-safe: the server processes prompts on a worker pool."""
+
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}; disable the cache instead.")
@@ -36,6 +39,7 @@ class ProcessingCache:
             maxsize=capacity_bytes, getsizeof=lambda item: max(item.nbytes(), 1)
         )
         self.stats = CacheStats()
+        self._lock = threading.Lock()
 
     @classmethod
     def from_gb(cls, gb: float) -> Optional["ProcessingCache"]:
@@ -45,16 +49,18 @@ class ProcessingCache:
         return cls(int(gb * GiB)) if gb > 0 else None
 
     def get(self, key: str) -> Optional[MultiModalKwargsItem]:
-        self.stats.queries += 1
-        item = self._cache.get(key)
-        if item is not None:
-            self.stats.hits += 1
-        return item
+        with self._lock:
+            self.stats.queries += 1
+            item = self._cache.get(key)
+            if item is not None:
+                self.stats.hits += 1
+            return item
 
     def put(self, key: str, item: MultiModalKwargsItem) -> None:
         if item.nbytes() > self.capacity_bytes:
             return  # larger than the whole cache: keep the others rather than evict everything
-        self._cache[key] = item
+        with self._lock:
+            self._cache[key] = item
 
     def __contains__(self, key: str) -> bool:
         return key in self._cache
@@ -67,4 +73,5 @@ class ProcessingCache:
         return int(self._cache.currsize)
 
     def clear(self) -> None:
-        self._cache.clear()
+        with self._lock:
+            self._cache.clear()

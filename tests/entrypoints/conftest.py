@@ -14,11 +14,13 @@ from tessera import DEMO_MODEL
 from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
+from tessera.multimodal.media import MediaPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 
 API_KEY = "test-key"
 MAX_IMAGES = 2
+FETCH_DEADLINE = 3.0  # seconds, of the lan_server
 
 
 @pytest.fixture(scope="session")
@@ -27,17 +29,37 @@ def media_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server(media_dir):
-    """(base URL, AsyncEngine) of a running server: API key required, at most 2 images per prompt,
-    local files only from media_dir, 1 MiB body cap."""
+def demo_engine():
     engine = AsyncEngine(
         LLMEngine.from_options(str(DEMO_MODEL), kv_cache_memory="64MiB", limit_mm_per_prompt={"image": MAX_IMAGES})
     )
-    app = build_app(engine, model_name="demo", api_key=API_KEY, allowed_media_dir=str(media_dir),
-                    max_images_per_prompt=MAX_IMAGES, max_request_bytes=2**20)  # fmt: skip
-    with ServerThread(app) as url:
-        yield url, engine
+    yield engine
     engine.shutdown()
+
+
+def serve_demo(engine, media_policy, head_timeout=10.0, **options):
+    """A server over `engine` (apps can share one engine): API key required, at most 2 images per
+    prompt, 1 MiB body cap."""
+    app = build_app(engine, model_name="demo", api_key=API_KEY, media_policy=media_policy,
+                    max_images_per_prompt=MAX_IMAGES, max_request_bytes=2**20, **options)  # fmt: skip
+    return ServerThread(app, head_timeout=head_timeout)
+
+
+@pytest.fixture(scope="session")
+def server(demo_engine, media_dir):
+    """(base URL, AsyncEngine) of a running server with the default media policy (public http(s)
+    URLs only), local files only from media_dir."""
+    with serve_demo(demo_engine, MediaPolicy(allowed_local_dir=media_dir, fetch_urls=True)) as url:
+        yield url, demo_engine
+
+
+@pytest.fixture(scope="session")
+def lan_server(demo_engine):
+    """The same engine served with private addresses allowed (for URLs of test servers on
+    127.0.0.1), a 3 s total fetch deadline and 3 download slots."""
+    policy = MediaPolicy(fetch_urls=True, allow_private_networks=True, timeout=FETCH_DEADLINE)
+    with serve_demo(demo_engine, policy, max_concurrent_fetches=3) as url:
+        yield url, demo_engine
 
 
 @pytest.fixture

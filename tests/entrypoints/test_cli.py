@@ -96,7 +96,35 @@ def test_chat_attaches_images_resets_and_exits(tiny_llava_dir, image_file, refer
     assert reference[0].lstrip() + "\n" in out  # first turn: the image question
     assert "(history cleared)" in out
     assert reference[1].lstrip() + "\n" in out  # after /reset the second turn starts a fresh conversation
-    assert "(no such image file: /missing.png)" in out
+    assert "(not attached: Image file /missing.png does not exist.)" in out
+
+
+def test_chat_survives_a_bad_image_and_a_failed_turn(tiny_llava_dir, image_file, reference, tmp_path, monkeypatch):
+    """Each problem is one line; the conversation goes on with what it had."""
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not an image")
+    from tessera.engine.model_runner import ModelRunner
+
+    execute, calls = ModelRunner.execute, []
+
+    def fail_once(self, out, *args):
+        if out.scheduled[0].request.request_id.startswith("cli-") and not calls:  # the first turn's first step
+            calls.append(1)
+            raise RuntimeError("injected fault")
+        return execute(self, out, *args)
+
+    monkeypatch.setattr(ModelRunner, "execute", fail_once)
+    script = f"/image {broken}\n/image {image_file}\nWhat is this?\nHello\n/reset\nHello\n/exit\n"
+    code, out = run(["chat", "--model", str(tiny_llava_dir), "--max-tokens", "8"], stdin=script)
+    lines = out.splitlines()
+    assert code == 0 and "Traceback" not in out
+    assert any(line.startswith("> (not attached:") and "could not be decoded" in line for line in lines)
+    assert f"(attached {image_file})" in out
+    # the first turn fails in the engine: one line, and the turn is dropped...
+    assert sum("(error: The engine failed while running this request" in line for line in lines) == 1
+    # ...so "Hello" then continues a conversation without it: the same answer as a fresh one after /reset
+    answers = [line.removeprefix("> ") for line in lines if line.startswith("> ") and "(" not in line]
+    assert answers[0] == answers[1] == reference[1].lstrip()
 
 
 @pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["serve"]])

@@ -41,3 +41,16 @@ def test_a_model_that_places_images_itself_gets_the_tags_removed():
 
 def test_no_tags_no_multimodal_data():
     assert inline_images_to_prompt("Hello", placeholder=lambda i: "<image>", load_image=str) == {"prompt": "Hello"}
+
+
+def test_an_img_tag_without_src_or_closing_stays_text():
+    text = 'a <img alt="x"> b <img src="unterminated'
+    assert split_inline_images(text) == [("text", text)]
+
+
+def test_hostile_unterminated_tags_are_text_and_scan_in_linear_time():
+    """Each of these takes a backtracking regex minutes (quadratic); a linear scan, milliseconds."""
+    for text in ['<img src="' + 'x"' * 200_000, '<img src="' * 200_000]:
+        assert split_inline_images(text) == [("text", text)]
+    text = '<img src="a" ' * 100_000 + ">"  # one long tag: its first src counts
+    assert split_inline_images(text) == [("image", "a")]

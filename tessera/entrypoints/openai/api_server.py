@@ -5,12 +5,14 @@ tessera serve --model FOLDER --port 8000
 
 from __future__ import annotations
 
-import functools
+import asyncio
+import contextlib
 import hmac
 import logging
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,16 +20,21 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...engine.async_engine import AsyncEngine, EngineDeadError
-from ...multimodal.media import load_image_url
+from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from ...errors import ServerBusyError
+from ...multimodal.media import MediaPolicy
 from .body_limit import BodySizeLimit
+from .http_server import ServerThread, uvicorn_config
+from .media_loader import AsyncMediaLoader
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, UnsupportedParameter, error_body
 from .serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
 PROTECTED_PREFIXES = ("/v1/", "/tokenize")
+T = TypeVar("T")
+__all__ = ["build_app", "serve", "ServerThread"]
 
 
 def build_app(
@@ -35,27 +42,24 @@ def build_app(
     *,
     model_name: str,
     api_key: Optional[str] = None,
-    allowed_media_dir: Optional[str] = None,
+    media_policy: Optional[MediaPolicy] = None,
     max_images_per_prompt: Optional[int] = None,
     max_request_bytes: int = 32 * 2**20,
-    image_fetch_timeout: float = 10.0,
-    image_fetch_max_bytes: int = 20 * 2**20,
+    max_concurrent_fetches: int = 16,
 ) -> FastAPI:
-    """The app for a running AsyncEngine; `api_key` guards /v1/* and /tokenize."""
+    """The app for a running AsyncEngine; `api_key` guards /v1/* and /tokenize. The default media
+    policy fetches public http(s) URLs and reads no local files."""
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.engine)
-    load_image = functools.partial(
-        load_image_url, allowed_local_dir=allowed_media_dir, fetch_http=True,
-        max_bytes=image_fetch_max_bytes, timeout=image_fetch_timeout,
-    )  # fmt: skip
-    serving = OpenAIServing(engine, metrics, model_name, load_image, max_images_per_prompt)
+    media = AsyncMediaLoader(media_policy or MediaPolicy(fetch_urls=True), max_concurrent_fetches=max_concurrent_fetches)
+    serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     model_path = str(engine.engine.model_config.model)
 
-    def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-        if status == 400:
+    def error(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None):
+        if status in (400, 413):
             metrics.count("error")
-        return JSONResponse(error_body(message, kind, status), status_code=status)
+        return JSONResponse(error_body(message, kind, status, param), status_code=status)
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):  # type: ignore[no-untyped-def]
@@ -71,18 +75,37 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, e: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc'] if x != 'body') or 'body'}: {err['msg']}" for err in e.errors()
-        )
-        return error(400, f"Invalid request: {problems}")
+        problems, param = [], None
+        for err in e.errors():
+            cause = (err.get("ctx") or {}).get("error")
+            if isinstance(cause, UnsupportedParameter):
+                param = param or cause.param
+                problems.append(str(cause))
+                continue
+            where = ".".join(str(x) for x in err["loc"] if x != "body") or "body"
+            problems.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+        return error(400, f"Invalid request: {'; '.join(problems)}", param=param)
 
     @app.exception_handler(ValueError)
     async def bad_input(_: Request, e: ValueError) -> JSONResponse:
-        return error(400, str(e))
+        return error(getattr(e, "status_code", 400), str(e))
+
+    @app.exception_handler(ServerBusyError)
+    async def busy(_: Request, e: ServerBusyError) -> JSONResponse:
+        return error(503, str(e), "server_error")
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return error(503, str(e), "server_error")
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, e: RequestFailedError) -> JSONResponse:
+        return error(500, str(e), "server_error")
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:  # a bug: details to the log only
+        logger.error("Unhandled error", exc_info=e)
+        return error(500, "Internal server error.", "server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -94,25 +117,30 @@ def build_app(
         if name not in (None, model_name, model_path):
             raise StarletteHTTPException(404, f"The model {name!r} does not exist; this server serves {model_name!r}.")
 
-    def respond(result: Any) -> Response:
+    async def respond(raw: Request, work: Awaitable[Any]) -> Response:
+        """The JSON or event-stream response of `work`; a client that leaves first cancels it (and
+        so aborts its request) instead of leaving it to generate for nobody."""
+        result = await until_disconnected(raw, work)
+        if result is None:
+            return Response(status_code=499)  # nobody reads this
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         check_model(request.model)
-        return respond(await serving.chat(request))
+        return await respond(raw, serving.chat(request))
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest) -> Response:
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
         check_model(request.model)
-        return respond(await serving.completion(request))
+        return await respond(raw, serving.completion(request))
 
     @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> dict:
+    async def tokenize(request: TokenizeRequest, raw: Request) -> Response:
         check_model(request.model)
-        return await serving.tokenize(request)
+        return await respond(raw, serving.tokenize(request))
 
     created = int(time.time())
 
@@ -124,7 +152,9 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_alive else 503)
+        if engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "dead", "error": "The engine stopped; the server is exiting."}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -135,7 +165,30 @@ def build_app(
         return FileResponse(WEB_DIR / "index.html")
 
     app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
+    app.router.add_event_handler("shutdown", media.shutdown)
     return app
+
+
+async def until_disconnected(raw: Request, work: Awaitable[T]) -> Optional[T]:
+    """`work`'s result, or None (with `work` cancelled) if the client disconnects first. The
+    request body has been read by then, so the next ASGI message can only be the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return None
+    return task.result()
 
 
 # serve() options that configure the engine; the rest configure the app.
@@ -150,9 +203,11 @@ def serve(
     port: int = 8000,
     served_model_name: Optional[str] = None,
     log_level: str = "info",
+    head_timeout: float = 10.0,
     **app_options: Any,
-) -> None:
-    """Load the model, start the engine thread and serve until interrupted."""
+) -> int:
+    """Load the model, start the engine thread and serve until interrupted. Returns the exit
+    status: 1 if the engine died (so a supervisor restarts the server), else 0."""
     import uvicorn
 
     from ...engine.llm_engine import LLMEngine
@@ -162,39 +217,15 @@ def serve(
         engine_options["limit_mm_per_prompt"] = {"image": app_options["max_images_per_prompt"]}
     engine = AsyncEngine(LLMEngine.from_options(model, **engine_options))
     app = build_app(engine, model_name=served_model_name or Path(model).name, **app_options)
+    server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level, head_timeout=head_timeout))
+
+    def exit_on_engine_death(error: BaseException) -> None:
+        logger.error("The engine died (%r); stopping the server so that it can be restarted", error)
+        server.should_exit = True
+
+    engine.on_dead.append(exit_on_engine_death)
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        server.run()
     finally:
         engine.shutdown()
-
-
-class ServerThread:
-    """Serve an app from a background thread on 127.0.0.1 (a free port unless given), e.g. for
-    tests, benchmarks or a notebook: `with ServerThread(app) as url: ...`."""
-
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-        import socket
-        import threading
-
-        import uvicorn
-
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind((host, port))
-        self.url = f"http://{host}:{self.socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        while not self.server.started:
-            if not self.thread.is_alive():
-                raise RuntimeError("The server thread stopped during start-up")
-            self.thread.join(0.01)
-        return self.url
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.socket.close()
+    return 1 if engine.dead is not None else 0

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API, and their mapping onto SamplingParams.
 
-Fields the OpenAI API defines but Tessera does not implement are accepted and ignored when they
-hold their neutral value, and refused otherwise, so a client never silently gets other behaviour
-than it asked for."""
+Nothing a client sends is silently ignored: OpenAI parameters Tessera does not implement are
+accepted only with the value that means "off" (`logit_bias: {}`, `tools: []`, `echo: false`...)
+and refused with a 400 naming them otherwise; unknown parameters are refused too, except a few
+that only label the request for the caller's own bookkeeping (`user`, `metadata`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,26 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ...sampling_params import SamplingParams
 
-# OpenAI fields we do not implement, with the value that means "off".
-_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None, "tools": None, "best_of": 1}
+# OpenAI (and vLLM) parameters Tessera does not implement, with the values that mean "off".
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True, False),  # means nothing without tools
+    "response_format": ({"type": "text"},),  # until structured output exists
+    "modalities": (["text"],),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+}
+# Labels for the caller's own bookkeeping: they change nothing about the answer.
+_LABELS = frozenset({"user", "metadata", "store", "service_tier"})
+_SEED = Field(default=None, ge=-(2**63), le=2**63 - 1 - 16)  # torch's seed range, room for n outputs
 
 
 class StreamOptions(BaseModel):
@@ -29,7 +48,7 @@ class _SamplingRequest(BaseModel):
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = None  # vLLM's extension
     min_p: Optional[float] = None  # vLLM's extension
-    seed: Optional[int] = None
+    seed: Optional[int] = _SEED
     stop: Union[str, list[str], None] = None
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
@@ -39,8 +58,14 @@ class _SamplingRequest(BaseModel):
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> "_SamplingRequest":
         for name, value in (self.model_extra or {}).items():
-            if name in _NEUTRAL and value not in (_NEUTRAL[name], None):
-                raise ValueError(f"{name}={value!r} is not supported by this server; leave it out.")
+            if name in _LABELS or value is None:
+                continue
+            if name not in _NEUTRAL:
+                raise UnsupportedParameter(name, f"Unknown parameter {name!r}; this server does not support it.")
+            if not any(_same(value, neutral) for neutral in _NEUTRAL[name]):
+                raise UnsupportedParameter(
+                    name, f"{name}={_short(value)} is not supported by this server; leave {name!r} out."
+                )
         return self
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
@@ -92,6 +117,24 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError('Send exactly one of "prompt" and "messages".')
         return self
+
+
+class UnsupportedParameter(ValueError):
+    """A request parameter this server does not implement (reported with `param` set to its name)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """Equal, with booleans never standing in for numbers (`echo: 0` is not `echo: false`)."""
+    return (type(value) is bool) == (type(neutral) is bool) and value == neutral
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: int = 400, param: Optional[str] = None):

@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Optional
 
-from ...engine.async_engine import AsyncEngine, RequestStream
-from ...engine.prompt import process_prompt
-from ...multimodal.inline_images import IMG_TAG, inline_images_to_prompt
+from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
+from ...errors import InputError
+from ...multimodal.inline_images import inline_images_to_prompt
 from ...outputs import CompletionOutput, RequestOutput
-from ..chat_utils import render_chat
+from ..chat_utils import parse_chat_messages, render_prompt
+from .media_loader import AsyncMediaLoader
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, error_body
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIServing:
@@ -25,13 +29,13 @@ class OpenAIServing:
         engine: AsyncEngine,
         metrics: ServerMetrics,
         model_name: str,
-        load_image: Callable[[str], Any],
+        media: AsyncMediaLoader,
         max_images_per_prompt: Optional[int],
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
-        self.load_image = load_image
+        self.media = media
         self.max_images = max_images_per_prompt
         core = engine.engine
         self.tokenizer = core.tokenizer
@@ -44,30 +48,30 @@ class OpenAIServing:
 
     def _check_image_count(self, count: int) -> None:
         if self.max_images is not None and count > self.max_images:
-            raise ValueError(f"This prompt has {count} images; the server takes at most {self.max_images} per prompt.")
+            raise InputError(f"This prompt has {count} images; the server takes at most {self.max_images} per prompt.")
 
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> dict:
-        parts = [p for m in messages if isinstance(m.get("content"), list) for p in m["content"]]
-        self._check_image_count(sum(isinstance(p, dict) and p.get("type") == "image_url" for p in parts))
-        for part in parts:
-            if isinstance(part, dict) and part.get("type") == "image_pil":
-                raise ValueError("Unsupported content part type 'image_pil'; send images as image_url parts.")
+        # Parse first with the URLs standing in for images: a malformed message or too many
+        # images is refused before anything is fetched or decoded.
+        hf_messages, urls = parse_chat_messages(messages, lambda url: url, self.image_text)
+        if any(not isinstance(url, str) for url in urls):
+            raise InputError("Unsupported content part type 'image_pil'; send images as image_url parts.")
+        self._check_image_count(len(urls))
+        images = await self.media.load_all(urls)
         return await asyncio.to_thread(
-            render_chat,
-            self.renderer,
-            self.chat_template,
-            messages,
-            self.load_image,
-            add_generation_prompt,
-            self.image_text,
+            render_prompt, self.renderer, self.chat_template, hf_messages, images, add_generation_prompt
         )
 
     async def completion_prompt(self, prompt: str | list[int]) -> Any:
         if not isinstance(prompt, str):
-            return prompt  # token ids
-        self._check_image_count(len(IMG_TAG.findall(prompt)))
+            return prompt  # token ids: checked against the vocabulary when processed
         placeholder = (lambda i: self.placeholder("image", i)) if self.placeholder else None
-        return await asyncio.to_thread(inline_images_to_prompt, prompt, placeholder, self.load_image)
+        parsed = inline_images_to_prompt(prompt, placeholder, lambda src: src)  # srcs stand in for images
+        if "multi_modal_data" in parsed:
+            urls = parsed["multi_modal_data"]["image"]
+            self._check_image_count(len(urls))
+            parsed["multi_modal_data"]["image"] = await self.media.load_all(urls)
+        return parsed
 
     # ---- endpoints -------------------------------------------------------------------------------
 
@@ -84,7 +88,7 @@ class OpenAIServing:
             prompt = await self.chat_prompt(request.messages, request.add_generation_prompt)
         else:
             prompt = await self.completion_prompt(request.prompt or "")
-        inputs = await self.engine.call(process_prompt, self.engine.engine, prompt)
+        inputs = await self.engine.process(prompt)
         placeholders: dict[str, list[dict]] = {}
         for item in inputs.mm_items:
             placeholders.setdefault(item.modality, []).append({"offset": item.start, "length": item.end - item.start})
@@ -104,8 +108,13 @@ class OpenAIServing:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return self._sse(stream, request_id, created, params.n, chat, include_usage)
         final: Optional[RequestOutput] = None
-        async for output in stream:
-            final = output
+        try:
+            async for output in stream:  # cancelled when the client goes away: the stream aborts
+                final = output
+        except BaseException:
+            if final is None or not final.finished:
+                self.metrics.count("abort", params.n)
+            raise
         assert final is not None
         self.metrics.observe_finished(final)
         choices = [self._choice(c, chat) for c in final.outputs]
@@ -199,7 +208,11 @@ class OpenAIServing:
                 if include_usage:
                     yield event([], _usage(final))
         except Exception as e:  # the engine failed under this request: tell the client in-band
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'code': 500}})}\n\n"
+            status = 503 if isinstance(e, EngineDeadError) else 500
+            if not isinstance(e, (EngineDeadError, RequestFailedError)):
+                logger.exception("Streaming %s failed", request_id)
+            message = str(e) if status == 503 or isinstance(e, RequestFailedError) else "Internal server error."
+            yield f"data: {json.dumps(error_body(message, 'server_error', status))}\n\n"
         finally:
             if final is None or not final.finished:  # the client went away: free the request now
                 stream.abort()

@@ -1,0 +1,56 @@
+"""Images for the server, loaded without blocking its event loop or the engine.
+
+Downloads wait on the network, so they get a pool of their own with a fixed number of slots: a
+request that finds every slot taken is told to retry (503) instead of queueing behind slow
+URLs, and since each download has a total deadline (MediaPolicy.timeout) a slot is never held
+for long. Decoding is CPU work and runs on a small pool of its own. Requests without URLs never
+touch the download pool, so slow URLs cannot stall them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ...errors import ServerBusyError
+from ...multimodal.media import MediaPolicy, decode_image, is_http_url, read_media_bytes
+
+
+class AsyncMediaLoader:
+    def __init__(self, policy: MediaPolicy, *, max_concurrent_fetches: int = 16, decode_workers: int = 2) -> None:
+        self.policy = policy
+        self._fetch_pool = ThreadPoolExecutor(max_concurrent_fetches, thread_name_prefix="tessera-fetch")
+        self._fetch_slots = threading.BoundedSemaphore(max_concurrent_fetches)
+        self._decode_pool = ThreadPoolExecutor(decode_workers, thread_name_prefix="tessera-decode")
+
+    async def load(self, url: str) -> Any:
+        """The image at `url` (data URL, allowed local file, or http(s) under the policy)."""
+        loop = asyncio.get_running_loop()
+        if is_http_url(url):
+            if not self._fetch_slots.acquire(blocking=False):
+                raise ServerBusyError("Too many image downloads are in progress; retry shortly or send a data URL.")
+            data = await loop.run_in_executor(self._fetch_pool, self._fetch, url)
+        else:  # base64 decoding or a local file read: short
+            data = await loop.run_in_executor(self._decode_pool, read_media_bytes, url, self.policy)
+        return await loop.run_in_executor(self._decode_pool, decode_image, data, self.policy)
+
+    def _fetch(self, url: str) -> bytes:
+        try:
+            return read_media_bytes(url, self.policy)
+        finally:  # freed when the download ends, even if its requester went away meanwhile
+            self._fetch_slots.release()
+
+    async def load_all(self, urls: Sequence[str]) -> list[Any]:
+        """All images, loaded concurrently; the first failure is raised once all have settled."""
+        results = await asyncio.gather(*(self.load(url) for url in urls), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
+
+    def shutdown(self) -> None:
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._decode_pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,51 @@
+"""OpenAI-style messages to HF chat-template messages: every malformed shape is an InputError
+that says where it is; the shapes vLLM accepts are accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.entrypoints.chat_utils import parse_chat_messages
+from tessera.errors import InputError
+
+
+def parse(messages, image_text=None):
+    return parse_chat_messages(messages, lambda url: f"loaded:{url}", image_text)
+
+
+def test_text_and_image_parts_in_order():
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "image_url", "image_url": {"url": "u1"}},
+                                             {"type": "image_url", "image_url": "u2"}]}]  # fmt: skip
+    hf, images = parse(messages)
+    assert images == ["loaded:u1", "loaded:u2"]
+    assert hf == [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "image"}]}]
+
+
+def test_plain_strings_in_a_content_list_are_text_parts():
+    hf, _ = parse([{"role": "user", "content": ["How many", " shapes?"]}])
+    assert hf[0]["content"] == [{"type": "text", "text": "How many"}, {"type": "text", "text": " shapes?"}]
+
+
+def test_pipeline_mode_joins_each_message_into_one_string():
+    hf, images = parse([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}, "Hi"]}], "<I>")
+    assert hf == [{"role": "user", "content": "<I>Hi"}] and images == ["loaded:u"]
+
+
+@pytest.mark.parametrize(
+    "messages, where",
+    [
+        ("hello", "messages must be a list"),
+        ([42], r"messages\[0\] must be an object"),
+        ([{"role": "robot", "content": "x"}], r"messages\[0\]: unsupported role 'robot'"),
+        ([{"role": "user", "content": {"text": "x"}}], r"messages\[0\]\.content must be a string or a list.*an object"),
+        ([{"role": "user", "content": 7}], r"messages\[0\]\.content must be .*a number"),
+        ([{"role": "user", "content": ["ok", 3]}], r"messages\[0\]\.content\[1\] must be a string or an object"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"content\[0\]\.text must be a string"),
+        ([{"role": "user", "content": [{"type": "audio_url"}]}], r"content\[0\]: unsupported content part type"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "image_url content part needs"),
+    ],
+)
+def test_malformed_messages_say_what_and_where(messages, where):
+    with pytest.raises(InputError, match=where):
+        parse(messages)
