@@ -11,7 +11,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..errors import InputError
 from .inputs import ImageItem, MultiModalDataDict
+from .media import MediaPolicy
 
 _T = TypeVar("_T")
 _I = TypeVar("_I", bound="ModalityDataItems")
@@ -171,7 +173,22 @@ def _as_image_list(data: Any) -> list[ImageItem]:
     return [_check_image(image, i) for i, image in enumerate(data)]
 
 
+# HF image processors guess the channel axis of an image from its shape, and guess wrong for
+# fewer than 4 rows (see tests/multimodal/test_image_decode.py); the server's limit as well.
+MIN_IMAGE_SIDE = MediaPolicy().min_side
+
+
 def _check_image(image: Any, index: int) -> ImageItem:
+    image = _check_image_type(image, index)
+    width, height = image_size_of(image)
+    if min(width, height) < MIN_IMAGE_SIDE:
+        raise InputError(
+            f"Image {index} is {width}x{height} pixels; images must be at least {MIN_IMAGE_SIDE} pixels on each side."
+        )
+    return image
+
+
+def _check_image_type(image: Any, index: int) -> ImageItem:
     where = f"Image {index}"
     if isinstance(image, Image.Image):
         try:

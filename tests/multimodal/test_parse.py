@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tessera.errors import InputError
 from tessera.multimodal.parse import (
     EmbeddingItems,
     ImageEmbeddingItems,
@@ -18,7 +19,7 @@ from tessera.multimodal.parse import (
     ProcessorBatchItems,
 )
 
-W, H = 5, 3  # distinct, so that a width/height swap shows
+W, H = 5, 6  # distinct, so that a width/height swap shows
 
 
 def parse(**mm_data):
@@ -53,9 +54,9 @@ def test_image_forms_are_accepted_with_count_and_size(form):
 
 
 def test_image_size_of_pil_is_width_height():
-    images = parse(image=[pil_image(7, 2), pil_image(2, 7)]).get_items("image", ImageProcessorItems)
-    assert images.get_image_size(0) == ImageSize(width=7, height=2)
-    assert images.get_image_size(1) == ImageSize(width=2, height=7)
+    images = parse(image=[pil_image(9, 4), pil_image(4, 9)]).get_items("image", ImageProcessorItems)
+    assert images.get_image_size(0) == ImageSize(width=9, height=4)
+    assert images.get_image_size(1) == ImageSize(width=4, height=9)
 
 
 def test_processor_data_lists_the_images():
@@ -129,11 +130,11 @@ def test_empty_embeds_list_means_no_modality():
     [
         ({"image": "cat.png"}, r"Image 0 has unsupported type str"),
         ({"image": [pil_image(), 42]}, r"Image 1 has unsupported type int"),
-        ({"image": np.zeros((H, W), dtype=np.uint8)}, r"numpy array of shape \(3, 5\).*HWC uint8"),
+        ({"image": np.zeros((H, W), dtype=np.uint8)}, r"numpy array of shape \(6, 5\).*HWC uint8"),
         ({"image": np.zeros((H, W, 3), dtype=np.float32)}, r"dtype float32.*HWC uint8"),
-        ({"image": np.zeros((H, W, 2), dtype=np.uint8)}, r"numpy array of shape \(3, 5, 2\)"),
+        ({"image": np.zeros((H, W, 2), dtype=np.uint8)}, r"numpy array of shape \(6, 5, 2\)"),
         ({"image": torch.zeros(8, 8, 3)}, r"tensor of shape \(8, 8, 3\); expected a CHW"),
-        ({"image": torch.zeros(H, W)}, r"tensor of shape \(3, 5\); expected a CHW"),
+        ({"image": torch.zeros(H, W)}, r"tensor of shape \(6, 5\); expected a CHW"),
         ({"image": pil_image(), "image_embeds": torch.zeros(1, 2, 4)}, r"Both raw image.*image_embeds"),
         ({"image_embeds": torch.zeros(1, 2, 4), "image": pil_image()}, r"Both raw image.*image_embeds"),
         ({"image_embeds": torch.zeros(8)}, r"image_embeds must be a \(num_items, feature_size, hidden_size\)"),
@@ -175,3 +176,15 @@ def test_get_items_with_wrong_type_raises_typeerror():
     items = parse(image=pil_image())
     with pytest.raises(TypeError, match="ImageProcessorItems"):
         items.get_items("image", ImageEmbeddingItems)
+
+
+@pytest.mark.parametrize(
+    "image",
+    [Image.new("RGB", (1, 1)), Image.new("RGB", (40, 3)), np.zeros((2, 30, 3), dtype=np.uint8),
+     torch.zeros(3, 3, 20)],
+)  # fmt: skip
+def test_images_too_small_for_the_processors_are_refused(image):
+    """A processor misreads the channel axis of an image with under 4 rows (tests/multimodal/test_image_decode.py)."""
+    with pytest.raises(InputError, match=r"Image 0 is \d+x\d+ pixels; images must be at least 4 pixels on each side"):
+        MultiModalDataParser().parse_mm_data({"image": image})
+    assert MultiModalDataParser().parse_mm_data({"image": Image.new("RGB", (4, 4))}).get_count("image") == 1
