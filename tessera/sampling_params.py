@@ -65,7 +65,7 @@ class SamplingParams:
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
             (
                 self.seed is None or _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1] - self.n,
-                f"seed must be a 64-bit signed integer (from {_SEED_RANGE[0]} to {_SEED_RANGE[1] - self.n}), got {self.seed}",
+                f"seed must be from {_SEED_RANGE[0]} to {_SEED_RANGE[1] - self.n} (64-bit), got {self.seed}",
             ),
             (
                 self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,

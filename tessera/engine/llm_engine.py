@@ -129,7 +129,9 @@ class LLMEngine:
         """Validate and process a prompt (tokenizer, HF processor) without touching the engine's
         state, so the server runs it on a worker thread while the engine keeps stepping.
         Bad input raises ValueError (an `InputError`)."""
-        inputs = prompt if isinstance(prompt, PromptInputs) else process_prompt(self, prompt, params.truncate_prompt_tokens)
+        inputs = (
+            prompt if isinstance(prompt, PromptInputs) else process_prompt(self, prompt, params.truncate_prompt_tokens)
+        )
         self._check_fits(inputs, params)
         return inputs
 

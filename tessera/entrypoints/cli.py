@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fetch http(s) image URLs only from these hosts (default: any public host)")  # fmt: skip
     serve.add_argument("--disable-media-url-fetch", action="store_true", help="never fetch http(s) image URLs")
     serve.add_argument("--allow-private-media-urls", action="store_true",
-                       help="also fetch from loopback, private and link-local addresses (refused by default)")  # fmt: skip
+                       help="also fetch loopback, private and link-local addresses (default: refused)")  # fmt: skip
     serve.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="S",
                        help="total seconds for one image download, redirects included (default 10)")  # fmt: skip
     serve.add_argument("--max-images-per-prompt", type=int, default=None, metavar="N", help="refuse prompts with more")

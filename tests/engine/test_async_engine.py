@@ -9,7 +9,7 @@ import contextlib
 import pytest
 
 from tessera import LLM, SamplingParams
-from tessera.engine.async_engine import AsyncEngine
+from tessera.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from tessera.engine.llm_engine import LLMEngine
 from tests.multimodal.test_processing import random_images
 
@@ -89,3 +89,51 @@ def test_a_request_whose_event_loop_closed_is_dropped_and_the_engine_lives_on(en
     last, (busy, free) = asyncio.run(normal_request())
     assert engine.is_alive and len(last.outputs[0].token_ids) == 4
     assert not busy and free == engine.engine.num_blocks
+
+
+def test_a_model_failure_fails_its_request_and_the_engine_serves_on(engine, monkeypatch):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    execute = engine.engine.runner.execute
+    failing = {"yes": True}
+
+    def fail_first(*args):
+        if failing.pop("yes", False):
+            raise RuntimeError("injected")
+        return execute(*args)
+
+    monkeypatch.setattr(engine.engine.runner, "execute", fail_first)
+
+    async def run():
+        stream = await engine.add_request("doomed", prompts()[0], params)
+        with pytest.raises(RequestFailedError, match="failed while running this request"):
+            [o async for o in stream]
+        stream = await engine.add_request("fine", prompts()[0], params)
+        return [o async for o in stream][-1]
+
+    assert len(asyncio.run(run()).outputs[0].token_ids) == 6
+    assert engine.is_alive
+
+
+def test_a_dead_engine_fails_every_stream_and_says_so(tiny_llava_dir, monkeypatch):
+    """The engine's own state breaking (here the scheduler) is fatal: streams end with
+    EngineDeadError, is_alive turns False, on_dead callbacks run, new requests are refused."""
+    dead = AsyncEngine(LLMEngine.from_options(str(tiny_llava_dir), kv_cache_memory="16MiB"))
+    told = []
+    dead.on_dead.append(told.append)
+
+    def broken():
+        raise RuntimeError("scheduler bug")
+
+    async def run():
+        monkeypatch.setattr(dead.engine.scheduler, "schedule", broken)
+        stream = await dead.add_request("r", prompts()[0], SamplingParams(max_tokens=4))
+        with pytest.raises(EngineDeadError):
+            [o async for o in stream]
+        with pytest.raises(EngineDeadError):
+            await dead.add_request("s", "USER: hi ASSISTANT:", SamplingParams(max_tokens=4))
+
+    try:
+        asyncio.run(run())
+        assert not dead.is_alive and [str(e) for e in told] == ["scheduler bug"]
+    finally:
+        dead.shutdown()

@@ -185,9 +185,7 @@ def _run(engine):
     return finished
 
 
-def test_a_model_failure_fails_the_requests_of_that_step_and_the_engine_keeps_serving(
-    tiny_llava_dir, llava_reference
-):
+def test_a_model_failure_fails_the_requests_of_that_step_and_the_engine_keeps_serving(tiny_llava_dir, llava_reference):
     llm = make_llm(tiny_llava_dir)
     engine = llm.engine
     execute, calls = engine.runner.execute, []

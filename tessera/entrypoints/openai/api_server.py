@@ -51,7 +51,9 @@ def build_app(
     policy fetches public http(s) URLs and reads no local files."""
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.engine)
-    media = AsyncMediaLoader(media_policy or MediaPolicy(fetch_urls=True), max_concurrent_fetches=max_concurrent_fetches)
+    media = AsyncMediaLoader(
+        media_policy or MediaPolicy(fetch_urls=True), max_concurrent_fetches=max_concurrent_fetches
+    )
     serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     model_path = str(engine.engine.model_config.model)

@@ -235,3 +235,74 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, client):
 
 def _has_aborts(server) -> bool:
     return 'tessera_requests_total{status="abort"}' in httpx.get(server[0] + "/metrics").text
+
+
+# ---- a dead engine --------------------------------------------------------------------------------------------
+
+
+def test_serve_exits_with_status_1_when_the_engine_dies(monkeypatch):
+    """Never a zombie answering 503: a failed request, /health says dead, and serve() returns 1
+    so that a supervisor restarts the server."""
+    import socket
+    import time
+
+    from tessera.entrypoints.openai import api_server
+
+    engines = []
+
+    class RecordedEngine(api_server.AsyncEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(api_server, "AsyncEngine", RecordedEngine)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base, seen = f"http://127.0.0.1:{port}", {}
+
+    def break_the_engine():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)  # still loading the model
+
+        def scheduler_bug():
+            raise RuntimeError("scheduler bug")
+
+        engines[0].engine.scheduler.schedule = scheduler_bug
+        response = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        seen["status"], seen["error"] = response.status_code, response.json()["error"]
+        try:
+            seen["health"] = httpx.get(base + "/health").json()
+        except httpx.TransportError:
+            seen["health"] = "gone"
+
+    worker = threading.Thread(target=break_the_engine, daemon=True)
+    worker.start()
+    code = api_server.serve(str(DEMO_MODEL), port=port, log_level="warning", kv_cache_memory="16MiB")
+    worker.join(timeout=30)
+    assert code == 1
+    assert seen["status"] == 503 and seen["error"]["type"] == "server_error"
+    assert seen["health"] == "gone" or seen["health"]["status"] == "dead"  # "gone" once it has exited
+
+
+def test_health_says_dead_once_the_engine_has_died(tiny_llava_dir):
+    from tessera.engine.async_engine import AsyncEngine
+    from tessera.engine.llm_engine import LLMEngine
+    from tessera.entrypoints.openai.api_server import ServerThread, build_app
+
+    engine = AsyncEngine(LLMEngine.from_options(str(tiny_llava_dir), kv_cache_memory="16MiB"))
+    try:
+        with ServerThread(build_app(engine, model_name="tiny")) as url:
+            assert httpx.get(url + "/health").json() == {"status": "ok"}
+            engine.engine.scheduler.schedule = None  # calling it raises TypeError on the engine thread
+            response = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+            assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
+            health = httpx.get(url + "/health")
+            assert health.status_code == 503 and health.json()["status"] == "dead"
+    finally:
+        engine.shutdown()

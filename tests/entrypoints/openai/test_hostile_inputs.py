@@ -329,9 +329,10 @@ def test_garbage_image_bytes_name_the_problem_without_reprs(server):
 def test_line_wrapped_base64_is_accepted(server, reference):
     encoded = base64.encodebytes(IMAGE.read_bytes()).decode()  # 76-character lines
     assert "\n" in encoded
-    assert chat(server[0], ask("data:image/png;base64," + encoded)).json()["choices"][0]["message"][
-        "content"
-    ].strip() == reference
+    assert (
+        chat(server[0], ask("data:image/png;base64," + encoded)).json()["choices"][0]["message"]["content"].strip()
+        == reference
+    )
 
 
 def test_a_directory_is_not_a_file(server, media_dir):
