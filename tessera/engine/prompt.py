@@ -68,9 +68,15 @@ def longest_token_chars(tokenizer: Any) -> int:
 def _check_text(text: Any, max_chars: Optional[int]) -> None:
     if not isinstance(text, str):
         raise InputError(f'"prompt" must be a string, got {type(text).__name__}')
-    if max_chars is not None and len(text) > max_chars:
+    if max_chars is not None:
+        check_text_length(len(text), max_chars)
+
+
+def check_text_length(num_chars: int, max_chars: int) -> None:
+    """InputTooLargeError if a prompt of `num_chars` characters cannot fit the context."""
+    if num_chars > max_chars:
         raise InputTooLargeError(
-            f"The prompt has {len(text)} characters, more than the model's context can hold "
+            f"The prompt has {num_chars} characters, more than the model's context can hold "
             f"(at most {max_chars}); shorten it."
         )
 

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
+from ...engine.prompt import check_text_length
 from ...errors import InputError
 from ...multimodal.inline_images import inline_images_to_prompt
 from ...outputs import CompletionOutput, RequestOutput
@@ -57,6 +58,8 @@ class OpenAIServing:
         if any(not isinstance(url, str) for url in urls):
             raise InputError("Unsupported content part type 'image_pil'; send images as image_url parts.")
         self._check_image_count(len(urls))
+        chars = sum(len(p["text"]) for m in hf_messages for p in _parts(m["content"]) if p["type"] == "text")
+        check_text_length(chars, self.engine.engine.max_prompt_chars)  # before rendering megabytes
         images = await self.media.load_all(urls)
         return await asyncio.to_thread(
             render_prompt, self.renderer, self.chat_template, hf_messages, images, add_generation_prompt
@@ -218,6 +221,10 @@ class OpenAIServing:
                 stream.abort()
                 self.metrics.count("abort", n)
         yield "data: [DONE]\n\n"
+
+
+def _parts(content: Any) -> list[dict]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
 def _usage(output: RequestOutput) -> dict:
