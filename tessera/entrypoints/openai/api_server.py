@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import time
@@ -46,14 +47,23 @@ def build_app(
     max_images_per_prompt: Optional[int] = None,
     max_request_bytes: int = 32 * 2**20,
     max_concurrent_fetches: int = 16,
+    allowed_media_dir: Optional[str] = None,
+    image_fetch_timeout: Optional[float] = None,
+    image_fetch_max_bytes: Optional[int] = None,
 ) -> FastAPI:
     """The app for a running AsyncEngine; `api_key` guards /v1/* and /tokenize. The default media
-    policy fetches public http(s) URLs and reads no local files."""
+    policy fetches public http(s) URLs and reads no local files; `allowed_media_dir`,
+    `image_fetch_timeout` and `image_fetch_max_bytes` (the options before MediaPolicy) adjust it."""
+    media_policy = media_policy or MediaPolicy(fetch_urls=True)
+    legacy = {
+        "allowed_local_dir": allowed_media_dir,
+        "timeout": image_fetch_timeout,
+        "max_bytes": image_fetch_max_bytes,
+    }
+    media_policy = dataclasses.replace(media_policy, **{k: v for k, v in legacy.items() if v is not None})
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.engine)
-    media = AsyncMediaLoader(
-        media_policy or MediaPolicy(fetch_urls=True), max_concurrent_fetches=max_concurrent_fetches
-    )
+    media = AsyncMediaLoader(media_policy, max_concurrent_fetches=max_concurrent_fetches)
     serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     model_path = str(engine.engine.model_config.model)

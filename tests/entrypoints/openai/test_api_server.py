@@ -306,3 +306,12 @@ def test_health_says_dead_once_the_engine_has_died(tiny_llava_dir):
             assert health.status_code == 503 and health.json()["status"] == "dead"
     finally:
         engine.shutdown()
+
+
+def test_the_media_options_from_before_media_policy_still_apply(demo_engine, media_dir):
+    from tessera.entrypoints.openai.api_server import build_app
+
+    app = build_app(demo_engine, model_name="demo", allowed_media_dir=str(media_dir), image_fetch_timeout=2.5)
+    policy = app.state.serving.media.policy
+    assert policy.fetch_urls and not policy.allow_private_networks  # the safe defaults stay
+    assert (policy.timeout, str(policy.allowed_local_dir)) == (2.5, str(media_dir))
