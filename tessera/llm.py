@@ -12,12 +12,9 @@ from tqdm.auto import tqdm
 from .engine.llm_engine import LLMEngine
 from .engine.prompt import PromptType
 from .entrypoints.chat_utils import Message, render_chat
-from .multimodal.media import MediaPolicy, load_image_url
+from .multimodal.media import LOCAL_FILES, load_image_url
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-
-# The offline API's caller owns the machine: any local file, and no network unless they load it themselves.
-LOCAL_FILES = MediaPolicy(allow_any_local=True)
 
 
 class LLM:

@@ -337,3 +337,20 @@ def test_a_text_only_model_refuses_images(llama):
     with pytest.raises(ValueError, match="LlamaForCausalLM is a text-only model"):
         llama.generate(prompt, greedy(), use_tqdm=False)
     assert not llama.engine.has_unfinished_requests()
+
+
+def test_chat_reads_local_files_in_any_format_pil_reads(llm, tmp_path):
+    """The offline caller owns its files: a TIFF (refused by the server's default policy) works."""
+    from tests.multimodal.test_processing import random_images
+
+    image = random_images([(40, 30)], seed=2)[0]
+    tiff, png = tmp_path / "a.tiff", tmp_path / "a.png"
+    image.save(tiff)
+    image.save(png)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def ask(path):
+        content = [{"type": "image_url", "image_url": {"url": str(path)}}, {"type": "text", "text": "What is this?"}]
+        return llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert ask(tiff) == ask(png)

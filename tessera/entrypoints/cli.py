@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from .. import DEMO_MODEL
-from ..multimodal.media import MediaPolicy, load_image_url
+from ..multimodal.media import LOCAL_FILES, MediaPolicy, load_image_url
 from ..sampling_params import SamplingParams
-
-LOCAL_FILES = MediaPolicy(allow_any_local=True)  # the user's own files; no network
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,7 +124,6 @@ def _serve(args: argparse.Namespace) -> int:
         folder = _model_folder(args.model)
         if args.allowed_media_dir is not None and not Path(args.allowed_media_dir).is_dir():
             raise ValueError(f"--allowed-media-dir {args.allowed_media_dir} is not a folder.")
-        from ..multimodal.media import MediaPolicy
         from .openai.api_server import serve
 
         policy = MediaPolicy(

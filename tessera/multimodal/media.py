@@ -27,6 +27,7 @@ from .media_fetch import fetch_url, normalize_host
 
 __all__ = [
     "IMAGE_MIME_TYPES",
+    "LOCAL_FILES",
     "MediaPolicy",
     "check_image",
     "decode_image",
@@ -83,6 +84,11 @@ class MediaPolicy:
                 raise ValueError(f"MediaPolicy.{name} must be at least 1.")
         if self.timeout <= 0 or self.max_redirects < 0 or self.max_aspect_ratio < 1:
             raise ValueError("MediaPolicy needs timeout > 0, max_redirects >= 0 and max_aspect_ratio >= 1.")
+
+
+# For callers who own the machine (the offline API, the CLI): any local file in any format PIL
+# reads; no network. The size checks stay: they spare the HF processor images it cannot handle.
+LOCAL_FILES = MediaPolicy(allow_any_local=True, image_formats=None)
 
 
 def url_scheme(url: str) -> str:
