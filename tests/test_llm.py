@@ -341,8 +341,6 @@ def test_a_text_only_model_refuses_images(llama):
 
 def test_chat_reads_local_files_in_any_format_pil_reads(llm, tmp_path):
     """The offline caller owns its files: a TIFF (refused by the server's default policy) works."""
-    from tests.multimodal.test_processing import random_images
-
     image = random_images([(40, 30)], seed=2)[0]
     tiff, png = tmp_path / "a.tiff", tmp_path / "a.png"
     image.save(tiff)
