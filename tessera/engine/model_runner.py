@@ -19,6 +19,7 @@ from ..layers.linear import pack_linears_for_cpu
 from ..layers.sampler import SamplerOutput, sample
 from ..models.interfaces import supports_multimodal
 from ..multimodal.inputs import MultiModalKwargs
+from ..multimodal.utils import group_by_modality
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
 from .scheduler import SchedulerOutput
@@ -88,12 +89,11 @@ class ModelRunner:
         }
 
     def _encode(self, out: SchedulerOutput, encoder_cache: EncoderCache) -> None:
-        """Run the vision encoder once per new item (per modality, all items in one call)."""
-        items = {item.hash: item for step in out.scheduled for item in step.encode}
-        by_modality: dict[str, list] = {}
-        for item in items.values():
-            by_modality.setdefault(item.modality, []).append(item)
-        for group in by_modality.values():
+        """Run the encoder once per new item: one call per run of consecutive items of one
+        modality, in prompt order (each request's items are sorted by position), so a model that
+        takes images and videos gets them in the order the prompt has them."""
+        items = {item.hash: item for step in out.scheduled for item in step.encode}  # unique, in order
+        for _, group in group_by_modality(items.values(), lambda item: item.modality):
             kwargs = MultiModalKwargs.from_items([item.kwargs for item in group])
             embeddings = self.model.get_multimodal_embeddings(**kwargs)
             for item, item_embeddings in zip(group, embeddings):

@@ -1,13 +1,16 @@
 """Content hashes of multimodal items: equal pixels (and kwargs) give equal hashes.
 
-Used as keys of the processor-output cache and, later, of prefix-cache blocks, so every value
-that changes the processed output must enter the hash: the image's mode, shape, dtype and bytes,
-the model, and the processor kwargs.
+Used as keys of the processor-output cache and of prefix-cache blocks, so every value that
+changes the processed output must enter the hash: the image's mode, shape, dtype and bytes, the
+model, and the processor kwargs. An in-memory image whose EXIF ImageID holds a `uuid.UUID` is
+hashed by that id instead of its pixels (as vLLM does).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Mapping
+from typing import Optional
 
 import numpy as np
 import torch
@@ -30,6 +33,10 @@ class MultiModalHasher:
     def _serialize(cls, obj: object) -> Iterable[bytes | memoryview]:
         # Each value is prefixed by its kind so that, e.g., the string "1" and the int 1 differ.
         if isinstance(obj, Image.Image):
+            image_id = _exif_image_id(obj)
+            if image_id is not None:  # the caller named this image: its id stands for its pixels
+                yield b"<image-id>" + image_id.bytes
+                return
             yield f"<image {obj.mode} {obj.size}>".encode()
             if obj.palette is not None:  # palette images: equal indices with other colours differ
                 yield from cls._serialize(obj.getpalette())
@@ -60,3 +67,14 @@ class MultiModalHasher:
             yield f"<{type(obj).__name__} {obj!r}>".encode()
         else:
             raise TypeError(f"Cannot hash a {type(obj).__name__} for the multimodal cache")
+
+
+def _exif_image_id(image: Image.Image) -> Optional[uuid.UUID]:
+    """A `uuid.UUID` stored in the image's EXIF ImageID tag (vLLM's way to name an in-memory image).
+    Only code can put a UUID object there: a decoded file's tag is a string and is ignored, so a
+    client cannot choose the cache key of an image it uploads."""
+    try:
+        value = image.getexif().get(Image.ExifTags.Base.ImageID)
+    except Exception:  # malformed EXIF: hash the pixels
+        return None
+    return value if isinstance(value, uuid.UUID) else None

@@ -27,6 +27,10 @@ ModalityData = Union[Any, list[Any]]
 MultiModalDataDict = Mapping[str, ModalityData]
 """User input per modality, e.g. ``{"image": [img1, img2]}`` or ``{"image_embeds": tensor}``."""
 
+MultiModalUUIDDict = Mapping[str, Union[Sequence[Optional[str]], str]]
+"""Caller-given ids of items, per modality: a list aligned with the items (None: hash the
+content), or a string for a single item (vLLM's `multi_modal_uuids`)."""
+
 
 @dataclass(frozen=True)
 class PlaceholderRange:

@@ -17,7 +17,7 @@ from transformers import BatchFeature, PretrainedConfig, ProcessorMixin
 from .cache import ProcessingCache
 from .context import InputProcessingContext
 from .hasher import MultiModalHasher
-from .inputs import MultiModalDataDict, MultiModalFieldConfig, MultiModalInputs, MultiModalKwargs
+from .inputs import MultiModalDataDict, MultiModalFieldConfig, MultiModalInputs, MultiModalKwargs, MultiModalUUIDDict
 from .parse import EmbeddingItems, ModalityDataItems, MultiModalDataItems, MultiModalDataParser
 from .prompt_matching import (
     ResolvedUpdates,
@@ -146,10 +146,15 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
         prompt: PromptSeq,
         mm_data: MultiModalDataDict,
         hf_processor_mm_kwargs: Mapping[str, object] = {},
+        *,
+        mm_uuids: Optional[MultiModalUUIDDict] = None,
     ) -> MultiModalInputs:
-        """Process a text or token-id prompt with its multimodal data."""
+        """Process a text or token-id prompt with its multimodal data. `mm_uuids` names items
+        (per modality, a list aligned with the items, None for "hash the content"; a string for a
+        single item): a named item is cached under its name, so the caller promises that one name
+        always means the same content."""
         mm_items = self._to_mm_items(mm_data)
-        mm_hashes = self._hash_mm_items(mm_items, hf_processor_mm_kwargs)
+        mm_hashes = self._hash_mm_items(mm_items, hf_processor_mm_kwargs, mm_uuids=mm_uuids)
         if self.cache is None:
             prompt_ids, mm_kwargs, maybe_applied = self._apply_hf_processor_main(
                 prompt, mm_items, hf_processor_mm_kwargs, enable_hf_prompt_update=True
@@ -192,16 +197,27 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
         return "this is the model's own limit; send fewer items."
 
     def _hash_mm_items(
-        self, mm_items: MultiModalDataItems, hf_processor_mm_kwargs: Mapping[str, object]
+        self,
+        mm_items: MultiModalDataItems,
+        hf_processor_mm_kwargs: Mapping[str, object],
+        *,
+        mm_uuids: Optional[MultiModalUUIDDict] = None,
     ) -> dict[str, list[str]]:
+        """Each item's cache key: its id when the caller named it (and no processor kwargs could make
+        the same item process differently; else the id hashed with them), else a content hash."""
         kwargs = {**self.info.ctx.model_config.multimodal_config.mm_processor_kwargs, **hf_processor_mm_kwargs}
-        return {
-            modality: [
-                MultiModalHasher.hash_kwargs(model_id=self.info.model_id, modality=modality, item=item, kwargs=kwargs)
-                for item in items.get_all()
+        hashes = {}
+        for modality, items in mm_items.items():
+            uuids = _item_uuids(mm_uuids, modality, items.get_count())
+            hashes[modality] = [
+                uuid
+                if uuid is not None and not kwargs
+                else MultiModalHasher.hash_kwargs(
+                    model_id=self.info.model_id, modality=modality, item=item if uuid is None else uuid, kwargs=kwargs
+                )
+                for item, uuid in zip(items.get_all(), uuids)
             ]
-            for modality, items in mm_items.items()
-        }
+        return hashes
 
     def _apply_hf_processor_text_mm(
         self, prompt_text: str, mm_items: MultiModalDataItems, hf_processor_mm_kwargs: Mapping[str, object]
@@ -351,3 +367,17 @@ __all__ = [
     "PromptSeq",
     "UpdateMode",
 ]
+
+
+def _item_uuids(mm_uuids: Optional[MultiModalUUIDDict], modality: str, count: int) -> list[Optional[str]]:
+    """The caller's id of each of `count` items of `modality` (None where not named)."""
+    given = (mm_uuids or {}).get(modality)
+    if given is None:
+        return [None] * count
+    uuids = [given] if isinstance(given, str) else list(given)
+    if len(uuids) != count or not all(u is None or isinstance(u, str) for u in uuids):
+        raise ValueError(
+            f"multi_modal_uuids[{modality!r}] must list one id (a string, or None) per {modality}: "
+            f"{count} {modality}(s) were given, {len(uuids)} id(s)."
+        )
+    return uuids
