@@ -19,14 +19,8 @@ from .context import InputProcessingContext
 from .hasher import MultiModalHasher
 from .inputs import MultiModalDataDict, MultiModalFieldConfig, MultiModalInputs, MultiModalKwargs, MultiModalUUIDDict
 from .parse import EmbeddingItems, ModalityDataItems, MultiModalDataItems, MultiModalDataParser
-from .prompt_matching import (
-    ResolvedUpdates,
-    apply_prompt_updates,
-    describe_target,
-    find_applied_placeholders,
-    placeholder_count_error,
-    resolve_updates,
-)
+from .placeholders import place_items
+from .prompt_matching import ResolvedUpdates, resolve_updates
 from .prompt_updates import (  # noqa: F401  (re-exported: model files import them from here)
     PromptIndex,
     PromptIndexTargets,
@@ -327,24 +321,8 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
     def _place_items(
         self, prompt_ids: list[int], resolved: ResolvedUpdates, maybe_applied: bool
     ) -> tuple[list[int], dict]:
-        """Find the placeholders the HF processor expanded, or expand them ourselves."""
-        to_apply = dict(resolved)
-        placeholders: dict = {}
-        if maybe_applied:
-            for modality, result in find_applied_placeholders(prompt_ids, resolved).items():
-                if isinstance(result, list):
-                    placeholders[modality] = result
-                    del to_apply[modality]
-                elif result > 0:  # expanded, but not once per item
-                    items = resolved[modality][0]
-                    target = describe_target(items[0].target, self._codec)
-                    raise placeholder_count_error(modality, len(items), result, target)
-        if to_apply:
-            prompt_ids, applied = apply_prompt_updates(prompt_ids, to_apply, self._codec)
-            if placeholders:  # offsets of the already-expanded items moved: find them again
-                placeholders = find_applied_placeholders(prompt_ids, {m: resolved[m] for m in placeholders})
-            placeholders.update(applied)
-        return prompt_ids, placeholders
+        """Find the placeholders the HF processor expanded, or expand them ourselves (placeholders.py)."""
+        return place_items(prompt_ids, resolved, self._codec, maybe_applied=maybe_applied)
 
 
 def _subset(items: ModalityDataItems, indices: Sequence[int]) -> ModalityDataItems:

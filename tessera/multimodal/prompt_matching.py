@@ -1,18 +1,23 @@
-"""Finding and applying prompt updates on token ids, with a text fallback.
+"""Finding the targets of prompt updates and applying the updates, with vLLM's rules.
 
-Rules (per modality, items in order): item i takes the i-th non-overlapping match of the
-target, left to right. A replacement swaps the match for the item's tokens; an insertion goes
-right after the match, and when there are fewer matches than items all insertions go, in item
-order, after the first match. Matching runs on token ids; if some item's target is not found
-there (e.g. the target text sits inside a larger token), the prompt is decoded, matched as
-text and encoded again.
+The rules are those of vLLM 0.9's `find_token_matches` / `find_text_matches` / `_apply_matches`:
+
+- Each update's target is matched left to right without overlap. An empty token target never
+  matches; an empty text target matches at the start (so it takes effect through the text path).
+- The matches of every modality are taken in prompt order, and each modality hands out its items
+  in item order: a replacement of a non-empty match takes one item; an insertion, or a replacement
+  of an empty match (a `PromptIndexTargets` position), takes every item not placed yet, all there.
+- Matches that overlap are an error.
+
+`apply_prompt_updates` matches token ids first; when some item finds no target there (the
+target's text sits inside larger tokens), it decodes the prompt, works on the text and encodes it
+again. On top of vLLM it refuses what vLLM would silently get wrong (docs/vllm-compatibility.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from .inputs import PlaceholderRange
 from .prompt_updates import (
@@ -29,7 +34,7 @@ from .prompt_updates import (
 
 @dataclass
 class ResolvedUpdate:
-    """One update bound to one item: where it goes and what it inserts."""
+    """One update bound to one item: where it goes and what it puts there."""
 
     modality: str
     item_idx: int
@@ -43,7 +48,7 @@ class ResolvedUpdate:
         return PlaceholderRange(offset=offset, length=len(self.content.token_ids), is_embed=is_embed)
 
 
-# modality -> candidate updates -> one resolved update per item
+# modality (in the order the model declared them) -> its updates, in order -> one per item
 ResolvedUpdates = Mapping[str, Sequence[Sequence[ResolvedUpdate]]]
 Placeholders = dict[str, list[PlaceholderRange]]
 
@@ -67,40 +72,62 @@ def resolve_updates(
     return resolved
 
 
-def describe_target(target: PromptTarget, codec: TokenCodec) -> str:
+# ---- matching ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TargetMatch:
+    """`prompt[start:end]` matches the target of update `update_idx` of `modality`."""
+
+    modality: str
+    update_idx: int
+    start: int
+    end: int
+
+
+def find_target_matches(prompt: PromptSeq, resolved: ResolvedUpdates, codec: TokenCodec) -> list[TargetMatch]:
+    """Every match of every update's target, by modality, then update, then position."""
+    return [
+        TargetMatch(modality, update_idx, start, end)
+        for modality, candidates in resolved.items()
+        for update_idx, items in enumerate(candidates)
+        for start, end in target_spans(prompt, items[0].target, codec)
+    ]
+
+
+def target_spans(prompt: PromptSeq, target: PromptTarget, codec: TokenCodec) -> list[tuple[int, int]]:
+    """Where `target` is in `prompt` (text or token ids, matched in that form), as (start, end)."""
     if isinstance(target, PromptIndex):
-        return "a position in the prompt"
-    return repr(BoundPromptSequence(codec, target).text)
-
-
-def placeholder_count_error(modality: str, expected: int, found: int, target: str) -> ValueError:
-    return ValueError(
-        f"The prompt has {found} {modality} placeholder(s) ({target}) but {expected} {modality} item(s) "
-        f"were given; put exactly one {target} in the prompt for each {modality}."
-    )
+        index = target.get_match_index(codec.tokenizer, prompt)
+        return [] if index is None else [(index, index)]
+    bound = BoundPromptSequence(codec, target)
+    if isinstance(prompt, str):
+        # An empty text matches at every position; only the first can receive items (it takes them all).
+        return _find_all(prompt, bound.text) if bound.text else [(0, 0)]
+    return _find_all(prompt, bound.token_ids)
 
 
 def _find_all(seq: PromptSeq, needle: PromptSeq, start: int = 0) -> list[tuple[int, int]]:
-    """Non-overlapping occurrences of `needle` in `seq` as (start, end), left to right."""
-    if len(needle) == 0:
-        return []
-    out = []
-    i, n = start, len(needle)
-    while True:
-        i = _find(seq, needle, i)
-        if i < 0:
-            return out
+    """Non-overlapping occurrences of a non-empty `needle` in `seq` as (start, end), left to right."""
+    out: list[tuple[int, int]] = []
+    n = len(needle)
+    if n == 0:
+        return out
+    i = find_seq(seq, needle, start)
+    while i >= 0:
         out.append((i, i + n))
-        i += n
+        i = find_seq(seq, needle, i + n)
+    return out
 
 
-def _find(seq: PromptSeq, needle: PromptSeq, start: int) -> int:
+def find_seq(seq: PromptSeq, needle: PromptSeq, start: int) -> int:
+    """Index of the first occurrence of `needle` in `seq` at or after `start`, or -1."""
     if isinstance(seq, str):
         return seq.find(needle, start)  # type: ignore[arg-type]
-    if len(needle) == 0:
+    n = len(needle)
+    if n == 0:
         return start
-    first, n = needle[0], len(needle)
-    i = start
+    first, i = needle[0], start
     while i <= len(seq) - n:
         try:
             i = seq.index(first, i)  # C-speed scan for the first token
@@ -112,79 +139,70 @@ def _find(seq: PromptSeq, needle: PromptSeq, start: int) -> int:
     return -1
 
 
-def _target_matches(prompt: PromptSeq, target: PromptTarget, codec: TokenCodec) -> list[tuple[int, int]]:
-    if isinstance(target, PromptIndex):
-        index = target.get_match_index(codec.tokenizer, prompt)
-        return [] if index is None else [(index, index)]
-    bound = BoundPromptSequence(codec, target)
-    return _find_all(prompt, bound.text if isinstance(prompt, str) else bound.token_ids)
+# ---- applying ----------------------------------------------------------------------------------
 
 
 @dataclass
-class _Edit:
+class Edit:
+    """`prompt[start:end]` becomes the content of `items` (one modality), in item order."""
+
     start: int
     end: int
-    update: ResolvedUpdate
+    items: list[ResolvedUpdate]
 
 
-def _plan_edits(prompt: PromptSeq, resolved: ResolvedUpdates, codec: TokenCodec, *, strict: bool):
-    """Edits for every item, or None when some target is missing (and `strict` is False)."""
-    edits: list[_Edit] = []
-    for modality, candidates in resolved.items():
-        planned = None
-        for items in candidates:
-            matches = _target_matches(prompt, items[0].target, codec)
-            planned = _assign(matches, items)
-            if planned is not None:
-                break
-            found = len(matches)
-        if planned is None:
-            if not strict:
-                return None
-            items = candidates[0]
-            if items[0].mode == UpdateMode.INSERT:
-                target = describe_target(items[0].target, codec)
-                raise ValueError(f"Cannot place the {modality} tokens: {target} is not in the prompt.")
-            raise placeholder_count_error(modality, len(items), found, describe_target(items[0].target, codec))
-        edits.extend(planned)
-    edits.sort(key=lambda e: (e.start, e.end))
-    for prev, cur in zip(edits, edits[1:]):
+def plan_edits(matches: Sequence[TargetMatch], resolved: ResolvedUpdates) -> tuple[list[Edit], dict[str, int]]:
+    """vLLM's `_apply_matches` as a plan: the edits, and how many items of each modality they place."""
+    _check_overlaps(matches)
+    placed = dict.fromkeys(resolved, 0)
+    edits: list[Edit] = []
+    # (start, end): an empty match sharing its start with another goes first, so no token is copied twice.
+    for match in sorted(matches, key=lambda m: (m.start, m.end)):
+        items = resolved[match.modality][match.update_idx]
+        first = placed[match.modality]
+        if first >= len(items):
+            continue  # every item of this modality is placed; later matches stay as they are
+        if items[0].mode == UpdateMode.INSERT:
+            start = end = match.end
+            last = len(items)
+        else:
+            start, end = match.start, match.end
+            last = len(items) if start == end else first + 1
+        edits.append(Edit(start, end, list(items[first:last])))
+        placed[match.modality] = last
+    return edits, placed
+
+
+def _check_overlaps(matches: Sequence[TargetMatch]) -> None:
+    spans = sorted(matches, key=lambda m: (m.start, m.end))
+    solid = [m for m in spans if m.end > m.start]
+    for prev, cur in zip(solid, solid[1:]):
         if cur.start < prev.end:
-            raise ValueError(
-                f"Prompt updates for {prev.update.modality} item {prev.update.item_idx} and "
-                f"{cur.update.modality} item {cur.update.item_idx} overlap."
-            )
-    return edits
+            raise _overlap_error(prev, cur)
+    for empty in (m for m in spans if m.end == m.start):  # a position strictly inside a match
+        for m in solid:
+            if m.start < empty.start < m.end:
+                raise _overlap_error(m, empty)
 
 
-def _assign(matches: list[tuple[int, int]], items: Sequence[ResolvedUpdate]) -> Optional[list[_Edit]]:
-    n = len(items)
-    if items[0].mode == UpdateMode.REPLACE:
-        if len(matches) < n:
-            return None
-        if len(matches) > n and not isinstance(items[0].target, PromptIndex):
-            target = describe_target(items[0].target, items[0].content.codec)
-            raise placeholder_count_error(items[0].modality, n, len(matches), target)
-        return [_Edit(start, end, item) for (start, end), item in zip(matches, items)]
-    if not matches:
-        return None
-    if len(matches) >= n:
-        return [_Edit(end, end, item) for (_, end), item in zip(matches, items)]
-    end = matches[0][1]
-    return [_Edit(end, end, item) for item in items]
+def _overlap_error(a: TargetMatch, b: TargetMatch) -> ValueError:
+    return ValueError(
+        f"The prompt update targets of {a.modality} and {b.modality} overlap at position {b.start} of the "
+        "prompt; each target must be matched on its own."
+    )
 
 
-def _splice(prompt: PromptSeq, edits: list[_Edit]) -> tuple[PromptSeq, list[int]]:
-    """Apply edits; returns the new prompt and each edit's offset in it."""
+def splice(prompt: PromptSeq, edits: Sequence[Edit]) -> tuple[PromptSeq, list[int]]:
+    """Apply edits (in position order); returns the new prompt and where each edit's content starts."""
     as_text = isinstance(prompt, str)
     pieces: list = []
     offsets, cursor, length = [], 0, 0
     for edit in edits:
         kept = prompt[cursor : edit.start]
-        content = edit.update.content.text if as_text else edit.update.content.token_ids
-        pieces += [kept, content]
+        content = [item.content.text if as_text else item.content.token_ids for item in edit.items]
+        pieces += [kept, *content]
         offsets.append(length + len(kept))
-        length += len(kept) + len(content)
+        length += len(kept) + sum(len(c) for c in content)
         cursor = edit.end
     pieces.append(prompt[cursor:])
     if as_text:
@@ -192,68 +210,8 @@ def _splice(prompt: PromptSeq, edits: list[_Edit]) -> tuple[PromptSeq, list[int]
     return [t for piece in pieces for t in piece], offsets
 
 
-def apply_prompt_updates(
-    token_ids: list[int], resolved: ResolvedUpdates, codec: TokenCodec
-) -> tuple[list[int], Placeholders]:
-    """Apply every item's update to `token_ids`; returns the new ids and the placeholders."""
-    if not resolved:
-        return list(token_ids), {}
-    edits = _plan_edits(token_ids, resolved, codec, strict=False)
-    if edits is not None:
-        new_ids, offsets = _splice(token_ids, edits)
-        return new_ids, _by_modality(edits, offsets)
-
-    # Text fallback: some target only exists inside larger tokens.
-    text = codec.decode(token_ids)
-    edits = _plan_edits(text, resolved, codec, strict=True)
-    new_text, _ = _splice(text, edits)
-    new_ids = codec.tokenizer.encode(new_text, add_special_tokens=False)
-    offsets, cursor = [], 0
-    for edit in edits:
-        content = edit.update.content.token_ids
-        start = _find(new_ids, content, cursor)
-        if start < 0:
-            raise ValueError(
-                f"The {edit.update.modality} tokens of item {edit.update.item_idx} merged with the text "
-                "around them when the prompt was tokenized; put whitespace around the placeholder."
-            )
-        offsets.append(start)
-        cursor = start + len(content)
-    return new_ids, _by_modality(edits, offsets)
-
-
-def _by_modality(edits: list[_Edit], offsets: list[int]) -> Placeholders:
-    """Placeholders per modality, listed by item index (edits are sorted by position)."""
-    pairs = sorted(zip(edits, offsets), key=lambda p: (p[0].update.modality, p[0].update.item_idx))
-    placeholders: Placeholders = {}
-    for edit, offset in pairs:
-        placeholders.setdefault(edit.update.modality, []).append(edit.update.placeholder(offset))
-    return placeholders
-
-
-def find_applied_placeholders(
-    token_ids: list[int], resolved: ResolvedUpdates
-) -> dict[str, Union[list[PlaceholderRange], int]]:
-    """Where the HF processor already expanded each item, per modality.
-
-    Returns the placeholders when every item is found exactly once, else the number of
-    expanded placeholders found (0: the HF processor did not apply this modality's updates).
-    """
-    result: dict[str, Union[list[PlaceholderRange], int]] = {}
-    for modality, candidates in resolved.items():
-        best: Union[list[PlaceholderRange], int] = 0
-        for items in candidates:
-            found, cursor = [], 0
-            for item in items:
-                start = _find(token_ids, item.content.token_ids, cursor)
-                if start < 0:
-                    break
-                found.append(item.placeholder(start))
-                cursor = start + len(item.content.token_ids)
-            extra = len(_find_all(token_ids, items[-1].content.token_ids, cursor)) if found else 0
-            if len(found) == len(items) and extra == 0:
-                best = found
-                break
-            best = max(best, len(found) + extra) if isinstance(best, int) else best
-        result[modality] = best
-    return result
+def update_prompt(prompt: PromptSeq, resolved: ResolvedUpdates, codec: TokenCodec) -> tuple[PromptSeq, dict[str, int]]:
+    """vLLM's `apply_token_matches` / `apply_text_matches`: the updated prompt, in the form given,
+    and how many items of each modality were placed (fewer than given where targets are missing)."""
+    edits, placed = plan_edits(find_target_matches(prompt, resolved, codec), resolved)
+    return splice(prompt, edits)[0], placed

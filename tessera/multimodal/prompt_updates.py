@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from typing import Any, Generic, Optional, TypeVar, Union
@@ -61,32 +61,36 @@ class BoundPromptSequence:
 
 @dataclass
 class PromptIndex:
-    """A position in the prompt, computed from the prompt (text or token ids)."""
+    """A position in the prompt, computed from the prompt (text or token ids); None: not there."""
 
     get_match_index: Callable[[Any, PromptSeq], Optional[int]]
+    description: str = field(default="the position chosen by the model's PromptIndex", compare=False)
+    """How error messages name the position (a Tessera addition; optional, so vLLM code is unaffected)."""
 
 
 class PromptIndexTargets:
+    """Positions to use as a `target`. Whatever the mode, every item goes to that one position."""
+
     @staticmethod
     def start() -> PromptIndex:
-        """The start of the prompt."""
-        return PromptIndex(lambda tokenizer, prompt: 0)
+        """The start of the prompt (matches even an empty prompt)."""
+        return PromptIndex(lambda tokenizer, prompt: 0, "the start of the prompt")
 
     @staticmethod
     def prefix(seq: PromptSeq) -> PromptIndex:
-        """Right after `seq`, if the prompt starts with it."""
+        """Right after `seq`, if the prompt starts with it (`seq` is converted to the prompt's form)."""
 
         def get_match_index(tokenizer: Any, prompt: PromptSeq) -> Optional[int]:
             bound = BoundPromptSequence(TokenCodec(tokenizer), seq)
             prefix = bound.text if isinstance(prompt, str) else bound.token_ids
             return len(prefix) if prompt[: len(prefix)] == prefix else None
 
-        return PromptIndex(get_match_index)
+        return PromptIndex(get_match_index, f"the end of the prefix {seq!r}")
 
     @staticmethod
     def end() -> PromptIndex:
-        """The end of the prompt."""
-        return PromptIndex(lambda tokenizer, prompt: len(prompt))
+        """The end of the prompt (matches even an empty prompt)."""
+        return PromptIndex(lambda tokenizer, prompt: len(prompt), "the end of the prompt")
 
 
 PromptTarget = Union[PromptSeq, PromptIndex]
@@ -106,7 +110,7 @@ class PromptUpdateDetails(Generic[_S]):
 
     @staticmethod
     def select_text(seq: _S, embed_text: str) -> "PromptUpdateDetails[_S]":
-        """Only the tokens of `embed_text` receive embeddings."""
+        """Only tokens whose id occurs in `embed_text` (encoded without special tokens) get embeddings."""
 
         def is_embed(full: BoundPromptSequence) -> torch.Tensor:
             embed_ids = full.codec.encode(embed_text)
@@ -151,7 +155,11 @@ class PromptUpdate(ABC):
 
 @dataclass
 class PromptInsertion(PromptUpdate):
-    """Each item inserts `insertion` right after its match of `target` (which stays)."""
+    """Inserts each item's `insertion` right after `target`, which stays.
+
+    All items go after the first match of `target`, in item order (vLLM's rule): further matches
+    are left alone.
+    """
 
     insertion: PromptUpdateContent = ""
 
@@ -166,7 +174,11 @@ class PromptInsertion(PromptUpdate):
 
 @dataclass
 class PromptReplacement(PromptUpdate):
-    """Each item replaces its match of `target` with `replacement`."""
+    """Replaces `target` with each item's `replacement`.
+
+    Item i replaces the i-th match of a text or token `target`. A `PromptIndexTargets` position
+    (or an empty text target, which matches at the start) takes every item, in item order.
+    """
 
     replacement: PromptUpdateContent = ""
 

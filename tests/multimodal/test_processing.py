@@ -10,6 +10,7 @@ from transformers import AutoProcessor
 
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import nested_tensors_equal
+from tessera.multimodal.prompt_updates import PromptIndexTargets, PromptInsertion, PromptReplacement
 
 LLAVA_PROMPTS = {
     0: "USER: What is in the picture? ASSISTANT:",
@@ -254,3 +255,58 @@ def test_truncated_image_file(tiny_llava_dir, tmp_path):
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(ValueError, match="Image 0 could not be decoded"):
         make(tiny_llava_dir).apply(LLAVA_PROMPTS[1], {"image": Image.open(path)})
+
+
+@pytest.mark.parametrize("cache_gb", [0, 1.0])
+@pytest.mark.parametrize("as_tokens", [False, True])
+@pytest.mark.parametrize(
+    "prompt, num_images, missing",
+    [("USER: <image> hi", 2, r"image item 1 \(counting from 0\) has none"), ("USER: hi", 2, r"image items 0 to 1")],
+)
+def test_placeholder_count_mismatch_names_the_missing_item(
+    tiny_llava_dir, cache_gb, as_tokens, prompt, num_images, missing
+):
+    processor = make(tiny_llava_dir, mm_processor_cache_gb=cache_gb)
+    if as_tokens:
+        prompt = processor.info.get_tokenizer().encode(prompt)
+    with pytest.raises(ValueError, match=missing):
+        processor.apply(prompt, {"image": random_images(SIZES[:num_images])})
+
+
+# ---- prompt updates other than LLaVA's own, through the whole processor -------------------------
+
+
+def with_updates(processor, make_updates):
+    """Swap the model's updates for `make_updates(replacement)`, keeping its per-item content."""
+    original = processor._get_prompt_updates
+
+    def get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        (update,) = original(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
+        return make_updates(update.replacement)
+
+    processor._get_prompt_updates = get_prompt_updates
+    return processor
+
+
+@pytest.mark.parametrize("cache_gb", [0, 1.0])
+@pytest.mark.parametrize("as_tokens", [False, True])
+@pytest.mark.parametrize(
+    "make_updates",
+    [
+        # vLLM: an insertion puts every item after the first match; so does a replacement at an index.
+        lambda content: [PromptInsertion("image", "ASSISTANT:", content)],
+        lambda content: [PromptReplacement("image", PromptIndexTargets.end(), content)],
+    ],
+    ids=["insert-after-first-match", "replace-at-end"],
+)
+def test_every_item_goes_to_one_position(tiny_llava_dir, cache_gb, as_tokens, make_updates):
+    processor = with_updates(make(tiny_llava_dir, mm_processor_cache_gb=cache_gb), make_updates)
+    tokenizer = processor.info.get_tokenizer()
+    image_token_id = processor.info.get_hf_config().image_token_index
+    text = "USER: What is in the picture? ASSISTANT:"  # no <image>: the HF processor expands nothing
+    prompt = tokenizer.encode(text) if as_tokens else text
+    out = processor.apply(prompt, {"image": random_images(SIZES[:2])})
+
+    text_ids = tokenizer.encode(text)
+    assert out["prompt_token_ids"] == text_ids + [image_token_id] * 32  # "ASSISTANT:" ends the prompt
+    assert placeholders_as_tuples(out) == {"image": [(len(text_ids), 16, None), (len(text_ids) + 16, 16, None)]}
