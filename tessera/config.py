@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -35,7 +36,10 @@ class MultiModalConfig:
     applies too. Modalities not named here are limited only by the model."""
 
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for the HF processor, applied to every request."""
+    """Keyword arguments for the HF processor, applied to every request (a request's own
+    mm_processor_kwargs override them key by key). Each goes to the processor's constructor or to
+    its call, whichever takes it (e.g. LLaVA's ``vision_feature_select_strategy`` / ``do_normalize``);
+    keys neither takes are dropped with a warning."""
 
     mm_processor_cache_gb: float = 1.0
     """Size of the processor-output cache in GiB; 0 disables it."""
@@ -56,6 +60,10 @@ class MultiModalConfig:
         return bool(self.multimodal_pipeline or self.pipelines_dir)
 
     def __post_init__(self) -> None:
+        kwargs = {} if self.mm_processor_kwargs is None else self.mm_processor_kwargs
+        if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+            raise ValueError(f"mm_processor_kwargs must be a dict of keyword names to values, got {kwargs!r}")
+        self.mm_processor_kwargs = dict(kwargs)  # a copy: the caller's dict may change later
         for modality, limit in self.limit_per_prompt.items():
             if not isinstance(limit, int) or limit < 0:
                 raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an int >= 0, got {limit!r}")

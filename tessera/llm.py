@@ -20,7 +20,8 @@ from .sampling_params import SamplingParams
 class LLM:
     """A model served in-process. Options are those of ModelConfig, CacheConfig,
     SchedulerConfig and MultiModalConfig, e.g. `dtype`, `kv_cache_memory`, `block_size`,
-    `max_num_batched_tokens`, `enable_prefix_caching`, `limit_mm_per_prompt`."""
+    `max_num_batched_tokens`, `enable_prefix_caching`, `limit_mm_per_prompt`,
+    `mm_processor_kwargs` (HF processor kwargs for every prompt)."""
 
     def __init__(self, model: str, **options: Any) -> None:
         self.engine = LLMEngine.from_options(model, **options)
@@ -39,7 +40,10 @@ class LLM:
         """Generate for every prompt (batched by the engine); outputs in prompt order.
 
         A prompt is a string, token ids, or {"prompt": str | "prompt_token_ids": [...],
-        "multi_modal_data": {"image": image or [images]}}."""
+        "multi_modal_data": {"image": image or [images]}}, optionally with "mm_processor_kwargs"
+        (HF processor kwargs for this prompt, over `LLM(..., mm_processor_kwargs=...)`) and
+        "multi_modal_uuids" ({"image": [id or None per image]}: a named item is cached under
+        its id instead of a hash of its content; one id must always mean the same content)."""
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -82,12 +86,17 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
+        mm_processor_kwargs: Optional[Mapping[str, Any]] = None,
     ) -> list[RequestOutput]:
         """Generate replies to OpenAI-style conversations: content is a string or a list of
         {"type": "text", "text": ...} and {"type": "image_url", "image_url": {"url": ...}} parts
-        (data URLs or local paths), rendered through the model's chat template."""
+        (data URLs or local paths; an image part may carry a "uuid" naming the image), rendered
+        through the model's chat template. `mm_processor_kwargs` apply to every conversation, over
+        the LLM's own."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        if mm_processor_kwargs is not None:
+            prompts = [{**prompt, "mm_processor_kwargs": mm_processor_kwargs} for prompt in prompts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _chat_renderer(self) -> Any:

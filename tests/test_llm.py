@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from PIL import Image
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoProcessor, LlamaConfig, LlamaForCausalLM
 from transformers import LlavaForConditionalGeneration as HFLlava
 
 from tessera import LLM, SamplingParams
@@ -278,6 +278,68 @@ def test_chat_on_a_model_without_a_chat_template_is_a_clear_error(tiny_fuyu_dir)
     fuyu = make_llm(tiny_fuyu_dir)
     with pytest.raises(ValueError, match="no chat template.*chat_template=.*generate"):
         fuyu.chat([{"role": "user", "content": "What is this?"}], use_tqdm=False)
+
+
+# ---- mm_processor_kwargs and item ids -----------------------------------------------------------------
+
+
+def pixels(inputs):
+    return [item.kwargs["pixel_values"].data for item in inputs.mm_items]
+
+
+def test_mm_processor_kwargs_of_the_llm_and_of_a_prompt_process_alike(llm, tiny_llava_dir, chat_image):
+    image, _ = chat_image
+    prompt = {"prompt": IMAGE_TEXT, "multi_modal_data": {"image": image}}
+    configured = make_llm(tiny_llava_dir, mm_processor_kwargs={"do_normalize": False})
+    from_config = configured.engine.process_inputs(prompt, greedy())
+    per_prompt = llm.engine.process_inputs({**prompt, "mm_processor_kwargs": {"do_normalize": False}}, greedy())
+    hf = AutoProcessor.from_pretrained(tiny_llava_dir)
+    unnormalized = hf(text=IMAGE_TEXT, images=image, do_normalize=False, return_tensors="pt")["pixel_values"]
+    assert torch.equal(pixels(from_config)[0], unnormalized[0]) and torch.equal(pixels(per_prompt)[0], unnormalized[0])
+    assert not torch.equal(pixels(llm.engine.process_inputs(prompt, greedy()))[0], unnormalized[0])
+    assert [i.hash for i in from_config.mm_items] == [i.hash for i in per_prompt.mm_items]  # one cache entry
+    assert (
+        generate_one(configured, prompt, greedy()).token_ids
+        == generate_one(llm, {**prompt, "mm_processor_kwargs": {"do_normalize": False}}, greedy()).token_ids
+    )
+
+
+@pytest.fixture
+def applied(llm, monkeypatch):
+    """What the engine handed the processor's apply (which still runs)."""
+    calls = []
+    original = llm.engine.processor.apply
+
+    def recording(prompt, mm_data, hf_processor_mm_kwargs={}, *, mm_uuids=None):
+        calls.append((dict(hf_processor_mm_kwargs), mm_uuids))
+        return original(prompt, mm_data, hf_processor_mm_kwargs, mm_uuids=mm_uuids)
+
+    monkeypatch.setattr(llm.engine.processor, "apply", recording)
+    return calls
+
+
+def test_chat_passes_image_ids_and_mm_processor_kwargs(llm, chat_image, applied):
+    image, path = chat_image
+    content = [{**image_part("pil", path), "uuid": "picture-1"}, {"type": "text", "text": "What is this?"}]
+    messages = [{"role": "user", "content": content}]
+    rendered = llm.render_chat(messages)
+    assert rendered["multi_modal_uuids"] == {"image": ["picture-1"]}
+    assert [item.hash for item in llm.engine.process_inputs(rendered, greedy()).mm_items] == ["picture-1"]
+    applied.clear()
+    chat = llm.chat(messages, greedy(), use_tqdm=False, mm_processor_kwargs={"do_normalize": True})[0]
+    assert applied == [({"do_normalize": True}, {"image": ["picture-1"]})]
+    direct = generate_one(llm, {"prompt": IMAGE_TEXT, "multi_modal_data": {"image": image}}, greedy())
+    assert chat.outputs[0].token_ids == direct.token_ids  # an id names the item; it does not change it
+
+
+def test_generate_takes_item_ids_and_refuses_ids_that_do_not_match(llm, chat_image, applied):
+    image, _ = chat_image
+    prompt = {"prompt": IMAGE_TEXT, "multi_modal_data": {"image": [image]}}
+    generate_one(llm, {**prompt, "multi_modal_uuids": {"image": ["a"]}}, greedy(2))
+    assert applied[-1] == ({}, {"image": ["a"]})
+    with pytest.raises(ValueError, match=r"multi_modal_uuids\['image'\] has 2 id\(s\) for 1 image"):
+        llm.generate([TEXT, {**prompt, "multi_modal_uuids": {"image": ["a", "b"]}}], greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 # ---- options and text-only models -------------------------------------------------------------------

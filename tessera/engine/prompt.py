@@ -18,7 +18,9 @@ logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list[int], Mapping[str, Any]]
 """A string, token ids, or a dict with "prompt" or "prompt_token_ids", and optionally
-"multi_modal_data" and "mm_processor_kwargs"."""
+"multi_modal_data", "mm_processor_kwargs" (this prompt's HF processor kwargs, over the configured
+ones) and "multi_modal_uuids" (ids naming the items, vLLM's shape: per modality a list aligned with
+the items, None for "hash the content", or a string when there is one item)."""
 
 
 @dataclass
@@ -46,17 +48,82 @@ def process_prompt(engine: "LLMEngine", prompt: PromptType, truncate_to: Optiona
     if engine.processor is None:
         if mm_data:
             raise InputError(f"{engine.model_config.architectures[0]} is a text-only model; remove multi_modal_data.")
+        _checked_mm_processor_kwargs(prompt.get("mm_processor_kwargs"))  # nothing to apply them to, but well-formed
+        _checked_mm_uuids(prompt.get("multi_modal_uuids"), None, {})
         ids = engine.tokenizer.encode(text) if token_ids is None else token_ids
         return _truncated(PromptInputs(text, ids, []), truncate_to)
-    processed = engine.processor.apply(
-        text if token_ids is None else token_ids, mm_data, prompt.get("mm_processor_kwargs") or {}
-    )
+    mm_kwargs = _checked_mm_processor_kwargs(prompt.get("mm_processor_kwargs"))
+    mm_uuids = _checked_mm_uuids(prompt.get("multi_modal_uuids"), engine.processor.data_parser, mm_data)
+    processed = engine.processor.apply(text if token_ids is None else token_ids, mm_data, mm_kwargs, mm_uuids=mm_uuids)
     items = [
         MultiModalItem(modality, processed["mm_hashes"][modality][i], processed["mm_kwargs"].get_item(modality, i), p)
         for modality, placeholders in processed["mm_placeholders"].items()
         for i, p in enumerate(placeholders)
     ]
     return _truncated(PromptInputs(text, processed["prompt_token_ids"], items), truncate_to)
+
+
+def _checked_mm_processor_kwargs(kwargs: Any) -> Mapping[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+        raise InputError(f'"mm_processor_kwargs" must be a dict of keyword names to values, got {_kind(kwargs)}.')
+    return kwargs
+
+
+def _checked_mm_uuids(uuids: Any, parser: Any, mm_data: Mapping[str, Any]) -> Optional[dict[str, list[Optional[str]]]]:
+    """`multi_modal_uuids` as {modality: [id or None per item]}, or an InputError saying what does
+    not match the items of `mm_data` (keys are modalities: "image" also for "image_embeds")."""
+    if uuids is None:
+        return None
+    if not isinstance(uuids, Mapping):
+        raise InputError(
+            '"multi_modal_uuids" must be a dict of modality to a list of ids (a string, or null to hash the '
+            f"item) aligned with the items, got {_kind(uuids)}."
+        )
+    if not uuids:
+        return None
+    parsed = parser.parse_mm_data(mm_data) if mm_data else {}
+    counts = {modality: items.get_count() for modality, items in parsed.items()}
+    checked: dict[str, list[Optional[str]]] = {}
+    for modality, ids in uuids.items():
+        if modality not in counts:
+            given = ", ".join(repr(m) for m in counts) or "none"
+            raise InputError(
+                f"multi_modal_uuids names the modality {_short(modality)}, which has no items in multi_modal_data "
+                f"(modalities given: {given})."
+            )
+        ids = [ids] if isinstance(ids, str) else ids
+        if not isinstance(ids, (list, tuple)):
+            raise InputError(
+                f"multi_modal_uuids[{modality!r}] must be a list of ids (strings or null), or one string for "
+                f"one item; got {_kind(ids)}."
+            )
+        for i, item_id in enumerate(ids):
+            if item_id is not None and not isinstance(item_id, str):
+                raise InputError(
+                    f"multi_modal_uuids[{modality!r}][{i}] must be a string or null, got {_kind(item_id)}."
+                )
+        if len(ids) != counts[modality]:
+            raise InputError(
+                f"multi_modal_uuids[{modality!r}] has {len(ids)} id(s) for {counts[modality]} {modality} item(s); "
+                "give one per item, in order (null for an item to be hashed)."
+            )
+        checked[modality] = list(ids)
+    return checked
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "a dict"
+    return {list: "a list", tuple: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number" if isinstance(value, numbers.Number) else type(value).__name__
+    )
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def longest_token_chars(tokenizer: Any) -> int:

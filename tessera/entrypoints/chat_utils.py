@@ -28,9 +28,19 @@ def parse_chat_messages(
     """(messages in the form HF chat templates take, the images in order of appearance). With
     `image_text` (pipeline mode: a text model's template knows no images) each message becomes
     one string with `image_text` where its images were. Malformed messages raise InputError."""
+    hf_messages, images, _ = parse_chat_messages_with_uuids(messages, load_image, image_text)
+    return hf_messages, images
+
+
+def parse_chat_messages_with_uuids(
+    messages: Sequence[Message], load_image: ImageLoader, image_text: Optional[str] = None
+) -> tuple[list[dict], list[Any], list[Optional[str]]]:
+    """As parse_chat_messages, with the images' ids aligned with them: an image part's "uuid"
+    (vLLM's field, beside "image_url" or "image_pil"), None where a part has none."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InputError(f"messages must be a list of message objects, got {type(messages).__name__}.")
     images: list[Any] = []
+    uuids: list[Optional[str]] = []
     hf_messages = []
     for m, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -62,11 +72,17 @@ def parse_chat_messages(
                 if not isinstance(text, (str, type(None))):
                     raise InputError(f"{where}.text must be a string, got {_kind(text)}.")
                 parts.append({"type": "text", "text": text or ""})
-            elif kind == "image_url":
-                images.append(load_image(image_url_of(part)))
-                parts.append({"type": "image"})
-            elif kind == "image_pil":  # an in-memory image (vLLM's part type for the offline API)
-                images.append(part["image_pil"])
+            elif kind in ("image_url", "image_pil"):
+                uuid = part.get("uuid")
+                if not isinstance(uuid, (str, type(None))):
+                    raise InputError(f"{where}.uuid must be a string (the image's id), got {_kind(uuid)}.")
+                if kind == "image_url":
+                    images.append(load_image(image_url_of(part)))
+                elif part.get("image_pil") is not None:  # an in-memory image (vLLM's part for the offline API)
+                    images.append(part["image_pil"])
+                else:
+                    raise InputError(f"{where}: an image_pil part needs {{'image_pil': <PIL image>}}.")
+                uuids.append(uuid)
                 parts.append({"type": "image"})
             else:
                 raise InputError(f"{where}: unsupported content part type {kind!r}; use 'text' or 'image_url'.")
@@ -75,7 +91,7 @@ def parse_chat_messages(
             hf_messages.append({"role": role, "content": text})
         else:
             hf_messages.append({"role": role, "content": parts})
-    return hf_messages, images
+    return hf_messages, images, uuids
 
 
 def _kind(value: Any) -> str:
@@ -86,15 +102,21 @@ def _kind(value: Any) -> str:
 
 def render_prompt(
     renderer: Any, chat_template: Optional[str], hf_messages: list[dict], images: list[Any],
-    add_generation_prompt: bool = True,
+    add_generation_prompt: bool = True, *, uuids: Optional[Sequence[Optional[str]]] = None,
 ) -> dict:  # fmt: skip
-    """The engine prompt for parsed messages and their loaded images."""
+    """The engine prompt for parsed messages and their loaded images (and the images' ids, if any
+    is named: "multi_modal_uuids")."""
     if chat_template is None:
         raise InputError("This model has no chat template; pass chat_template=... or use generate().")
     prompt = renderer.apply_chat_template(
         hf_messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
     )
-    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else {"prompt": prompt}
+    if not images:
+        return {"prompt": prompt}
+    engine_prompt = {"prompt": prompt, "multi_modal_data": {"image": images}}
+    if uuids is not None and any(uuid is not None for uuid in uuids):
+        engine_prompt["multi_modal_uuids"] = {"image": list(uuids)}
+    return engine_prompt
 
 
 def render_chat(
@@ -105,7 +127,8 @@ def render_chat(
     add_generation_prompt: bool = True,
     image_text: Optional[str] = None,
 ) -> dict:
-    """The engine prompt for a conversation: {"prompt": text, "multi_modal_data": {"image": [...]}}.
-    `renderer` is the model's HF processor (or tokenizer for text-only models)."""
-    hf_messages, images = parse_chat_messages(messages, load_image, image_text)
-    return render_prompt(renderer, chat_template, hf_messages, images, add_generation_prompt)
+    """The engine prompt for a conversation: {"prompt": text, "multi_modal_data": {"image": [...]}},
+    with "multi_modal_uuids": {"image": [...]} when an image part has a "uuid". `renderer` is the
+    model's HF processor (or tokenizer for text-only models)."""
+    hf_messages, images, uuids = parse_chat_messages_with_uuids(messages, load_image, image_text)
+    return render_prompt(renderer, chat_template, hf_messages, images, add_generation_prompt, uuids=uuids)

@@ -7,6 +7,7 @@ tessera chat --model path/to/model
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -55,8 +56,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     serve.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default 1GiB)")
     serve.add_argument("--max-request-bytes", type=int, default=32 * 2**20, help="larger bodies get 413")
+    _mm_processor_kwargs_option(serve)
     _pipeline_options(serve)
     return parser
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _mm_processor_kwargs_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
+                        help="keyword arguments for the model's HF processor, e.g. "
+                        "'{\"vision_feature_select_strategy\": \"full\"}' (applied to every prompt)")  # fmt: skip
+
+
+def _mm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM / engine options for --mm-processor-kwargs (none when not given)."""
+    return {} if args.mm_processor_kwargs is None else {"mm_processor_kwargs": args.mm_processor_kwargs}
 
 
 def _pipeline_options(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +109,7 @@ def _pipeline_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="FOLDER",
                         help="a local Hugging Face model folder (default: the bundled demo model)")  # fmt: skip
+    _mm_processor_kwargs_option(parser)
     _pipeline_options(parser)
     parser.add_argument("--max-tokens", type=int, default=128, help="longest answer in tokens (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default), higher for variety")
@@ -97,7 +121,7 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
         return _serve(args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-        llm = _load(args.model, stdout, _pipeline_kwargs(args))
+        llm = _load(args.model, stdout, {**_pipeline_kwargs(args), **_mm_kwargs(args)})
         if args.command == "generate":
             messages = [_user_message(args.prompt, args.image)]
             _stream_answer(llm, messages, params, stdout)
@@ -136,7 +160,7 @@ def _serve(args: argparse.Namespace) -> int:
         return serve(str(folder), host=args.host, port=args.port, served_model_name=args.served_model_name,
                      api_key=args.api_key, media_policy=policy, max_images_per_prompt=args.max_images_per_prompt,
                      max_request_bytes=args.max_request_bytes, kv_cache_memory=args.kv_cache_memory,
-                     **_pipeline_kwargs(args))  # fmt: skip
+                     **_pipeline_kwargs(args), **_mm_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)
         return 1

@@ -6,6 +6,7 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tessera.engine.prompt import longest_token_chars, process_prompt
 from tessera.errors import InputError, InputTooLargeError
@@ -186,3 +187,91 @@ def test_no_token_covers_more_characters_than_the_longest_token_bound(text_engin
     assert longest == max(len(t) for t in text_engine.tokenizer.get_vocab())
     for text in ["a" * 500, " " * 300, "USER: describe the image in detail " * 20, "\n\n\n" * 50]:
         assert len(text_engine.tokenizer.encode(text, add_special_tokens=False)) * longest >= len(text)
+
+
+# ---- mm_processor_kwargs and multi_modal_uuids -------------------------------------------------------
+
+
+@pytest.fixture
+def recorded(engine, monkeypatch):
+    """What process_prompt handed the processor's apply (which still runs)."""
+    calls = []
+    original = engine.processor.apply
+
+    def recording(prompt, mm_data, hf_processor_mm_kwargs={}, *, mm_uuids=None):
+        calls.append({"kwargs": hf_processor_mm_kwargs, "mm_uuids": mm_uuids})
+        return original(prompt, mm_data, hf_processor_mm_kwargs, mm_uuids=mm_uuids)
+
+    monkeypatch.setattr(engine.processor, "apply", recording)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "uuids, passed",
+    [
+        (None, None),
+        ({}, None),
+        ({"image": ["first", None]}, {"image": ["first", None]}),
+        ({"image": ("first", "second")}, {"image": ["first", "second"]}),
+        ({"image": [None, None]}, {"image": [None, None]}),
+    ],
+)
+def test_item_ids_reach_the_processor(engine, recorded, uuids, passed):
+    prompt = {**prompt_with_images(), "multi_modal_uuids": uuids, "mm_processor_kwargs": {"do_normalize": True}}
+    inputs = process_prompt(engine, prompt)
+    assert recorded == [{"kwargs": {"do_normalize": True}, "mm_uuids": passed}]
+    assert len(inputs.mm_items) == 2
+
+
+def test_a_named_item_is_keyed_by_its_id(engine, full):
+    """No processor kwargs: the id is the item's key (processing.py), for the processor and the prefix cache."""
+    inputs = process_prompt(engine, {**prompt_with_images(), "multi_modal_uuids": {"image": ["first", None]}})
+    assert [item.hash for item in inputs.mm_items] == ["first", full.mm_items[1].hash]
+    assert inputs.token_ids == full.token_ids
+
+
+def test_one_string_names_a_single_item(engine, recorded):
+    prompt = {"prompt": "USER: <image>\nHi ASSISTANT:", "multi_modal_data": {"image": random_images([(20, 20)])},
+              "multi_modal_uuids": {"image": "only"}}  # fmt: skip
+    assert [item.hash for item in process_prompt(engine, prompt).mm_items] == ["only"]
+    assert recorded[0]["mm_uuids"] == {"image": ["only"]}
+
+
+def test_precomputed_embeddings_are_named_under_their_modality(engine, recorded):
+    hidden = engine.processor.info.get_hf_config().text_config.hidden_size
+    embeds = torch.randn(1, 16, hidden)
+    prompt = {"prompt": "USER: <image>\nHi ASSISTANT:", "multi_modal_data": {"image_embeds": embeds},
+              "multi_modal_uuids": {"image": ["emb"]}}  # fmt: skip
+    process_prompt(engine, prompt)
+    assert recorded[0]["mm_uuids"] == {"image": ["emb"]}
+
+
+@pytest.mark.parametrize(
+    "uuids, match",
+    [
+        (["a", "b"], r'"multi_modal_uuids" must be a dict .* got a list'),
+        ({"video": ["a"]}, r"names the modality 'video', which has no items .* \(modalities given: 'image'\)"),
+        ({"image": ["a"]}, r"multi_modal_uuids\['image'\] has 1 id\(s\) for 2 image item\(s\)"),
+        ({"image": ["a", "b", "c"]}, r"has 3 id\(s\) for 2 image"),
+        ({"image": "a"}, r"has 1 id\(s\) for 2 image"),
+        ({"image": ["a", 7]}, r"multi_modal_uuids\['image'\]\[1\] must be a string or null, got a number"),
+        ({"image": {"a": 1}}, r"multi_modal_uuids\['image'\] must be a list of ids .* got a dict"),
+    ],
+)
+def test_ids_that_do_not_match_the_items_are_input_errors(engine, recorded, uuids, match):
+    with pytest.raises(InputError, match=match):
+        process_prompt(engine, {**prompt_with_images(), "multi_modal_uuids": uuids})
+    assert recorded == []  # refused before any processing
+
+
+@pytest.mark.parametrize("kwargs", [["do_normalize"], "do_normalize=False", {1: True}])
+def test_processor_kwargs_must_be_a_dict_of_names(engine, text_engine, kwargs):
+    for target, prompt in ((engine, prompt_with_images()), (text_engine, {"prompt": "hi"})):
+        with pytest.raises(InputError, match='"mm_processor_kwargs" must be a dict of keyword names'):
+            process_prompt(target, {**prompt, "mm_processor_kwargs": kwargs})
+
+
+def test_a_text_only_model_refuses_ids_without_items_and_ignores_good_kwargs(text_engine):
+    assert process_prompt(text_engine, {"prompt": "hi", "mm_processor_kwargs": {"x": 1}}).token_ids
+    with pytest.raises(InputError, match="names the modality 'image', which has no items .* none"):
+        process_prompt(text_engine, {"prompt": "hi", "multi_modal_uuids": {"image": ["a"]}})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.entrypoints.chat_utils import parse_chat_messages
+from tessera.entrypoints.chat_utils import parse_chat_messages, parse_chat_messages_with_uuids, render_prompt
 from tessera.errors import InputError
 
 
@@ -44,8 +44,61 @@ def test_pipeline_mode_joins_each_message_into_one_string():
         ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"content\[0\]\.text must be a string"),
         ([{"role": "user", "content": [{"type": "audio_url"}]}], r"content\[0\]: unsupported content part type"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "image_url content part needs"),
+        ([{"role": "user", "content": [{"type": "image_pil"}]}], r"content\[0\]: an image_pil part needs"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}, "uuid": 7}]}],
+            r"content\[0\]\.uuid must be a string \(the image's id\), got a number",
+        ),
     ],
 )
 def test_malformed_messages_say_what_and_where(messages, where):
     with pytest.raises(InputError, match=where):
         parse(messages)
+
+
+# ---- image ids (vLLM's "uuid" beside the image) --------------------------------------------------------
+
+
+def test_image_ids_are_aligned_with_the_images():
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "u1"}, "uuid": "first"},
+                "and",
+                {"type": "image_url", "image_url": "u2"},
+            ],
+        },
+        {"role": "assistant", "content": "ok"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_pil", "image_pil": "<pil>", "uuid": "third"},
+                {"type": "image_url", "image_url": {"url": "u4"}, "uuid": None},
+            ],
+        },
+    ]
+    hf, images, uuids = parse_chat_messages_with_uuids(messages, lambda url: f"loaded:{url}")
+    assert images == ["loaded:u1", "loaded:u2", "<pil>", "loaded:u4"]
+    assert uuids == ["first", None, "third", None]
+    assert (hf, images) == parse(messages)  # the two-value form is unchanged
+
+
+class Renderer:
+    def apply_chat_template(self, messages, *, chat_template, add_generation_prompt, tokenize):
+        return chat_template + "|" + "".join(p["type"][0] for m in messages for p in m["content"])
+
+
+@pytest.mark.parametrize(
+    "uuids, expected",
+    [
+        (None, None),
+        ([None, None], None),  # nothing named: nothing to pass
+        (["a", None], {"image": ["a", None]}),
+    ],
+)
+def test_render_prompt_adds_the_ids_when_an_image_is_named(uuids, expected):
+    hf = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}, {"type": "image"}]}]
+    prompt = render_prompt(Renderer(), "T", hf, ["img1", "img2"], uuids=uuids)
+    assert prompt["prompt"] == "T|iti" and prompt["multi_modal_data"] == {"image": ["img1", "img2"]}
+    assert prompt.get("multi_modal_uuids") == expected

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 
@@ -132,3 +133,39 @@ def test_every_command_has_help(command):
     result = subprocess.run([sys.executable, "-m", "tessera.entrypoints.cli", *command, "--help"],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
     assert result.returncode == 0 and "usage: tessera" in result.stdout
+
+
+# ---- --mm-processor-kwargs ---------------------------------------------------------------------------------
+
+
+def test_generate_applies_mm_processor_kwargs_as_the_offline_api_does(tiny_llava_dir, image_file, reference):
+    kwargs = {"do_normalize": False}
+    llm = LLM(str(tiny_llava_dir), kv_cache_memory="64MiB", mm_processor_kwargs=kwargs)
+    message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(image_file)}},
+                                           {"type": "text", "text": "What is this?"}]}  # fmt: skip
+    (expected,) = llm.chat([message], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    assert expected.outputs[0].text != reference[0]  # unnormalized pixels: another answer
+    code, out = run(["generate", "What is this?", "--image", str(image_file), "--model", str(tiny_llava_dir),
+                     "--max-tokens", "8", "--mm-processor-kwargs", json.dumps(kwargs)])  # fmt: skip
+    assert (code, out) == (0, expected.outputs[0].text.lstrip() + "\n")
+
+
+@pytest.mark.parametrize("given", [None, {"vision_feature_select_strategy": "full", "do_normalize": False}])
+def test_serve_passes_mm_processor_kwargs_to_the_server(tiny_llava_dir, monkeypatch, given):
+    from tessera.entrypoints.openai import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server, "serve", lambda model, **options: seen.update(options) or 0)
+    extra = [] if given is None else ["--mm-processor-kwargs", json.dumps(given)]
+    assert run(["serve", "--model", str(tiny_llava_dir), *extra])[0] == 0
+    assert seen.get("mm_processor_kwargs") == given
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize("value, message", [("{not json", "not valid JSON"), ('["a"]', "must be a JSON object")])
+def test_mm_processor_kwargs_must_be_a_json_object(capsys, command, value, message):
+    argv = [command, *(["Hi"] if command == "generate" else []), "--mm-processor-kwargs", value]
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "--mm-processor-kwargs" in err and message in err

@@ -54,6 +54,7 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False  # vLLM's extension
+    mm_processor_kwargs: Optional[dict[str, Any]] = None  # vLLM's extension: HF processor kwargs, over the server's
 
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> "_SamplingRequest":
@@ -99,6 +100,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[int]]
     max_tokens: Optional[int] = Field(default=16, ge=1)  # the OpenAI default for completions
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    multi_modal_uuids: Optional[dict[str, Any]] = None
+    """Ids of the prompt's inline images (vLLM's shape): {"image": [id or null per <img>, in order]}."""
 
     def to_sampling_params(self) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs)
@@ -111,6 +114,7 @@ class TokenizeRequest(BaseModel):
     prompt: Optional[str] = None
     messages: Optional[list[dict[str, Any]]] = None
     add_generation_prompt: bool = True
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
 
     @model_validator(mode="after")
     def _one_of(self) -> "TokenizeRequest":

@@ -16,7 +16,7 @@ from ...engine.prompt import check_text_length
 from ...errors import InputError
 from ...multimodal.inline_images import inline_images_to_prompt
 from ...outputs import CompletionOutput, RequestOutput
-from ..chat_utils import parse_chat_messages, render_prompt
+from ..chat_utils import parse_chat_messages_with_uuids, render_prompt
 from .media_loader import AsyncMediaLoader
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, error_body
@@ -54,7 +54,7 @@ class OpenAIServing:
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> dict:
         # Parse first with the URLs standing in for images: a malformed message or too many
         # images is refused before anything is fetched or decoded.
-        hf_messages, urls = parse_chat_messages(messages, lambda url: url, self.image_text)
+        hf_messages, urls, uuids = parse_chat_messages_with_uuids(messages, lambda url: url, self.image_text)
         if any(not isinstance(url, str) for url in urls):
             raise InputError("Unsupported content part type 'image_pil'; send images as image_url parts.")
         self._check_image_count(len(urls))
@@ -62,7 +62,7 @@ class OpenAIServing:
         check_text_length(chars, self.engine.engine.max_prompt_chars)  # before rendering megabytes
         images = await self.media.load_all(urls)
         return await asyncio.to_thread(
-            render_prompt, self.renderer, self.chat_template, hf_messages, images, add_generation_prompt
+            render_prompt, self.renderer, self.chat_template, hf_messages, images, add_generation_prompt, uuids=uuids
         )
 
     async def completion_prompt(self, prompt: str | list[int]) -> Any:
@@ -80,10 +80,14 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest) -> Any:
         prompt = await self.chat_prompt(request.messages, request.add_generation_prompt)
+        prompt = _with_options(prompt, mm_processor_kwargs=request.mm_processor_kwargs)
         return await self._generate(request, prompt, "chatcmpl", chat=True)
 
     async def completion(self, request: CompletionRequest) -> Any:
         prompt = await self.completion_prompt(request.prompt)
+        prompt = _with_options(
+            prompt, mm_processor_kwargs=request.mm_processor_kwargs, multi_modal_uuids=request.multi_modal_uuids
+        )
         return await self._generate(request, prompt, "cmpl", chat=False)
 
     async def tokenize(self, request: TokenizeRequest) -> dict:
@@ -91,6 +95,7 @@ class OpenAIServing:
             prompt = await self.chat_prompt(request.messages, request.add_generation_prompt)
         else:
             prompt = await self.completion_prompt(request.prompt or "")
+        prompt = _with_options(prompt, mm_processor_kwargs=request.mm_processor_kwargs)
         inputs = await self.engine.process(prompt)
         placeholders: dict[str, list[dict]] = {}
         for item in inputs.mm_items:
@@ -221,6 +226,16 @@ class OpenAIServing:
                 stream.abort()
                 self.metrics.count("abort", n)
         yield "data: [DONE]\n\n"
+
+
+def _with_options(prompt: Any, **options: Any) -> Any:
+    """The engine prompt with the request's prompt-level options (those given) added."""
+    options = {key: value for key, value in options.items() if value is not None}
+    if not options:
+        return prompt
+    if not isinstance(prompt, dict):  # token ids
+        prompt = {"prompt_token_ids": prompt}
+    return {**prompt, **options}
 
 
 def _parts(content: Any) -> list[dict]:

@@ -152,6 +152,75 @@ def test_http_image_urls_are_fetched(lan_server):
         httpd.shutdown()
 
 
+# ---- mm_processor_kwargs and item ids ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def applied(server, monkeypatch):
+    """What the server's engine handed the processor's apply (which still runs)."""
+    processor = server[1].engine.processor
+    calls, original = [], processor.apply
+
+    def recording(prompt, mm_data, hf_processor_mm_kwargs={}, *, mm_uuids=None):
+        calls.append((dict(hf_processor_mm_kwargs), mm_uuids))
+        return original(prompt, mm_data, hf_processor_mm_kwargs, mm_uuids=mm_uuids)
+
+    monkeypatch.setattr(processor, "apply", recording)
+    return calls
+
+
+def test_chat_takes_mm_processor_kwargs_and_image_ids(client, applied, caplog):
+    messages = ask("What colour is the circle?", data_url(IMAGE))
+    messages[0]["content"][0]["uuid"] = "three-shapes"
+    kwargs = {"do_normalize": True, "not_an_option_of_llava": 1}  # the default, and one nothing takes
+    with caplog.at_level("WARNING", logger="tessera.multimodal.context"):
+        response = client.chat.completions.create(model="demo", messages=messages, temperature=0, max_tokens=4,
+                                                  extra_body={"mm_processor_kwargs": kwargs})  # fmt: skip
+    assert response.choices[0].message.content.strip() == CIRCLE_COLOUR
+    assert applied == [(kwargs, {"image": ["three-shapes"]})]
+    assert "['not_an_option_of_llava']" in caplog.text  # dropped with a warning, not a failure
+
+
+def test_completions_take_mm_processor_kwargs_and_ids_of_inline_images(client, applied):
+    prompt = f'USER: <img src="{data_url(IMAGE)}">\nWhat colour is the circle? ASSISTANT:'
+    body = {"mm_processor_kwargs": {"do_normalize": True}, "multi_modal_uuids": {"image": ["inline-1"]}}
+    response = client.completions.create(model="demo", prompt=prompt, temperature=0, max_tokens=4, extra_body=body)
+    assert response.choices[0].text.strip() == CIRCLE_COLOUR
+    assert applied == [({"do_normalize": True}, {"image": ["inline-1"]})]
+    ids = AutoTokenizer.from_pretrained(DEMO_MODEL).encode("USER: Hi ASSISTANT:")
+    client.completions.create(model="demo", prompt=ids, max_tokens=2, extra_body={"mm_processor_kwargs": {"x": 1}})
+    assert applied[-1] == ({"x": 1}, None)
+
+
+def test_tokenize_takes_mm_processor_kwargs(server, applied):
+    body = {"messages": ask("Hi", data_url(IMAGE)), "mm_processor_kwargs": {"do_normalize": True}}
+    response = httpx.post(server[0] + "/tokenize", headers=headers(), json=body)
+    assert response.status_code == 200 and response.json()["mm_placeholders"]["image"][0]["length"] == NUM_IMAGE_TOKENS
+    assert applied == [({"do_normalize": True}, None)]
+
+
+@pytest.mark.parametrize(
+    "path, body, message",
+    [
+        ("/v1/completions", {"prompt": f'<img src="{data_url(IMAGE)}"> Hi', "multi_modal_uuids": {"image": ["a", "b"]}},
+         "multi_modal_uuids['image'] has 2 id(s) for 1 image item(s)"),
+        ("/v1/completions", {"prompt": "Hi", "multi_modal_uuids": {"image": ["a"]}},
+         "names the modality 'image', which has no items"),
+        ("/v1/completions", {"prompt": "Hi", "multi_modal_uuids": ["a"]}, "multi_modal_uuids"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_url(IMAGE)}, "uuid": 5}]}]},
+         "messages[0].content[0].uuid must be a string"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "mm_processor_kwargs": [1]},
+         "mm_processor_kwargs"),
+    ],
+)  # fmt: skip
+def test_malformed_ids_and_kwargs_are_400(server, client, applied, path, body, message):
+    response = httpx.post(server[0] + path, headers=headers(), json={"model": "demo", "max_tokens": 2, **body})
+    assert response.status_code == 400 and message in response.json()["error"]["message"]
+    assert applied == []  # refused before processing
+    check_still_serving(client)
+
+
 # ---- bad input: a clear 4xx, and the server keeps serving ------------------------------------------------
 
 
