@@ -38,6 +38,7 @@ def place_items(
         found = {m: ranges for m, ranges in find_placeholders(token_ids, resolved).items() if ranges}
         for modality in found:
             _refuse_wrong_expansion(token_ids, resolved, found, modality, codec)
+        _refuse_longer_runs(token_ids, found)
     # A modality the HF processor did not expand at all (e.g. precomputed embeddings): expand it here.
     to_apply = {m: candidates for m, candidates in resolved.items() if m not in found}
     if not to_apply:
@@ -121,6 +122,28 @@ def _refuse_wrong_expansion(
             f"The processed prompt holds the tokens of {expected + extra} {modality} item(s) "
             f"but {expected} {modality} item(s) were given."
         )
+
+
+def _refuse_longer_runs(token_ids: list[int], found: Placeholders) -> None:
+    """An embedding token right next to a found placeholder (and in no other): the HF processor
+    expanded the item to more tokens than the model's prompt update gives, e.g. when processor
+    kwargs change the expansion but not the model. vLLM would leave the extra tokens as text."""
+    spans = sorted((p.offset, p.offset + p.length) for ranges in found.values() for p in ranges)
+
+    def claimed(i: int) -> bool:
+        return any(s <= i < e for s, e in spans)
+
+    for modality, ranges in found.items():
+        for index, p in enumerate(ranges):
+            run = token_ids[p.offset : p.offset + p.length]
+            embed = {t for t, e in zip(run, p.is_embed.tolist() if p.is_embed is not None else [True] * len(run)) if e}
+            for neighbour in (p.offset - 1, p.offset + p.length):
+                if 0 <= neighbour < len(token_ids) and token_ids[neighbour] in embed and not claimed(neighbour):
+                    raise ValueError(
+                        f"The HF processor expanded {modality} item {index} (counting from 0) to more tokens than "
+                        f"the model's prompt update gives ({p.length}); processor kwargs that change how items "
+                        f"expand (e.g. {modality} size or feature strategy) must also be the model's."
+                    )
 
 
 def _count_unclaimed(token_ids: list[int], candidates, found: Placeholders, pos: int) -> int:

@@ -310,3 +310,19 @@ def test_every_item_goes_to_one_position(tiny_llava_dir, cache_gb, as_tokens, ma
     text_ids = tokenizer.encode(text)
     assert out["prompt_token_ids"] == text_ids + [image_token_id] * 32  # "ASSISTANT:" ends the prompt
     assert placeholders_as_tuples(out) == {"image": [(len(text_ids), 16, None), (len(text_ids) + 16, 16, None)]}
+
+
+def test_an_hf_expansion_longer_than_the_models_update_is_refused(tiny_llava_dir):
+    """Per-request kwargs can make the HF processor expand an image to 17 tokens ("full" keeps the
+    CLS token) while the model's update, from its config ("default"), gives 16: one image token
+    would be left as text. vLLM goes on with that prompt; Tessera refuses it."""
+    hf_full = AutoProcessor.from_pretrained(tiny_llava_dir, vision_feature_select_strategy="full")
+    image = random_images([(40, 30)], seed=1)
+    prompt = "USER: <image>\nHi ASSISTANT:"
+    expanded = hf_full(text=prompt, images=image, return_tensors="pt")["input_ids"][0].tolist()
+    image_token = hf_full.tokenizer.convert_tokens_to_ids("<image>")
+    model_tokens = make(tiny_llava_dir, mm_processor_cache_gb=0).apply(prompt, {"image": image})
+    assert expanded.count(image_token) == model_tokens["prompt_token_ids"].count(image_token) + 1
+    processor = make(tiny_llava_dir, mm_processor_cache_gb=0)
+    with pytest.raises(ValueError, match=r"expanded image item 0 .* to more tokens than the model's prompt update"):
+        processor.apply(prompt, {"image": image}, {"vision_feature_select_strategy": "full"})

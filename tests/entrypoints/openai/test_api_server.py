@@ -384,3 +384,23 @@ def test_the_media_options_from_before_media_policy_still_apply(demo_engine, med
     policy = app.state.serving.media.policy
     assert policy.fetch_urls and not policy.allow_private_networks  # the safe defaults stay
     assert (policy.timeout, str(policy.allowed_local_dir)) == (2.5, str(media_dir))
+
+
+def test_serve_hands_engine_options_to_the_engine(monkeypatch):
+    """`tessera serve --mm-processor-kwargs` reaches the engine's config, not the app."""
+    import uvicorn
+
+    from tessera.entrypoints.openai import api_server
+
+    engines = []
+
+    class RecordedEngine(api_server.AsyncEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(api_server, "AsyncEngine", RecordedEngine)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
+    kwargs = {"vision_feature_select_strategy": "default"}
+    assert api_server.serve(str(DEMO_MODEL), kv_cache_memory="16MiB", mm_processor_kwargs=kwargs) == 0
+    assert engines[0].engine.model_config.multimodal_config.mm_processor_kwargs == kwargs
