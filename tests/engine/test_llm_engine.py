@@ -227,3 +227,31 @@ def test_a_failure_updating_one_request_fails_only_that_one(tiny_llava_dir, llav
     assert finished["ok"].error is None and tokens([finished["ok"]]) == [llava_reference[0]]
     assert finished["bad"].error and {o.finish_reason for o in finished["bad"].outputs} == {"error"}
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+# ---- named items ----------------------------------------------------------------------------------
+
+
+def test_prefix_caching_keys_a_named_image_on_its_id(tiny_llava_dir):
+    """Two different images under one id share cached blocks (the caller promised they are the
+    same); unnamed, they share nothing past the text before the image."""
+    llm = make_llm(tiny_llava_dir, mm_processor_cache_gb=0)
+    first, second = random_images([(60, 40), (32, 32)], seed=21)
+    text = "USER: <image>\n" + "Describe the image in detail, please. " * 3 + "ASSISTANT:"
+
+    def reused_tokens(image, uuids):
+        blocks = llm.engine.block_manager
+        before = blocks.prefix_hits
+        prompt = {"prompt": text, "multi_modal_data": {"image": image}}
+        if uuids is not None:
+            prompt["multi_modal_uuids"] = uuids
+        output = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        return blocks.prefix_hits - before, output.outputs[0].token_ids
+
+    reused_tokens(first, {"image": ["scene-1"]})
+    named_hits, named_tokens = reused_tokens(second, {"image": ["scene-1"]})
+    assert named_hits >= len(llm.get_tokenizer().encode(text)) // 4 * 4 - 4  # all but the last block
+    _, first_tokens = reused_tokens(first, None)
+    assert named_tokens == first_tokens  # computed from the first image's cached state
+    unnamed_hits, _ = reused_tokens(second, None)
+    assert unnamed_hits < named_hits
