@@ -309,12 +309,9 @@ def _has_aborts(server) -> bool:
 # ---- a dead engine --------------------------------------------------------------------------------------------
 
 
-def test_serve_exits_with_status_1_when_the_engine_dies(monkeypatch):
-    """Never a zombie answering 503: a failed request, /health says dead, and serve() returns 1
-    so that a supervisor restarts the server."""
-    import socket
-    import time
-
+@pytest.fixture
+def serve_engines(monkeypatch):
+    """The AsyncEngines that api_server.serve() creates, in order."""
     from tessera.entrypoints.openai import api_server
 
     engines = []
@@ -325,6 +322,17 @@ def test_serve_exits_with_status_1_when_the_engine_dies(monkeypatch):
             engines.append(self)
 
     monkeypatch.setattr(api_server, "AsyncEngine", RecordedEngine)
+    return engines
+
+
+def test_serve_exits_with_status_1_when_the_engine_dies(serve_engines):
+    """Never a zombie answering 503: a failed request, /health says dead, and serve() returns 1
+    so that a supervisor restarts the server."""
+    import socket
+    import time
+
+    from tessera.entrypoints.openai import api_server
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -342,7 +350,7 @@ def test_serve_exits_with_status_1_when_the_engine_dies(monkeypatch):
         def scheduler_bug():
             raise RuntimeError("scheduler bug")
 
-        engines[0].engine.scheduler.schedule = scheduler_bug
+        serve_engines[0].engine.scheduler.schedule = scheduler_bug
         response = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         seen["status"], seen["error"] = response.status_code, response.json()["error"]
         try:
@@ -386,21 +394,13 @@ def test_the_media_options_from_before_media_policy_still_apply(demo_engine, med
     assert (policy.timeout, str(policy.allowed_local_dir)) == (2.5, str(media_dir))
 
 
-def test_serve_hands_engine_options_to_the_engine(monkeypatch):
+def test_serve_hands_engine_options_to_the_engine(serve_engines, monkeypatch):
     """`tessera serve --mm-processor-kwargs` reaches the engine's config, not the app."""
     import uvicorn
 
     from tessera.entrypoints.openai import api_server
 
-    engines = []
-
-    class RecordedEngine(api_server.AsyncEngine):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            engines.append(self)
-
-    monkeypatch.setattr(api_server, "AsyncEngine", RecordedEngine)
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
     kwargs = {"vision_feature_select_strategy": "default"}
     assert api_server.serve(str(DEMO_MODEL), kv_cache_memory="16MiB", mm_processor_kwargs=kwargs) == 0
-    assert engines[0].engine.model_config.multimodal_config.mm_processor_kwargs == kwargs
+    assert serve_engines[0].engine.model_config.multimodal_config.mm_processor_kwargs == kwargs
