@@ -7,9 +7,9 @@ that only label the request for the caller's own bookkeeping (`user`, `metadata`
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from ...sampling_params import SamplingParams
 
@@ -35,6 +35,33 @@ _LABELS = frozenset({"user", "metadata", "store", "service_tier"})
 _SEED = Field(default=None, ge=-(2**63), le=2**63 - 1 - 16)  # torch's seed range, room for n outputs
 
 
+# A request's processor kwargs may not ask for more work than the server's image limits allow
+# (MediaPolicy.max_pixels is 8192 x 8192): `size: {"shortest_edge": 50000}` would have the image
+# processor allocate tens of GB and take the whole server down.
+MAX_REQUEST_KWARG_NUMBER = 8192
+
+
+def _check_processor_kwargs(kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    def walk(value: Any, where: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{where}.{key}")
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                walk(item, f"{where}[{index}]")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_REQUEST_KWARG_NUMBER:
+            raise ValueError(
+                f"{where}={value} is over {MAX_REQUEST_KWARG_NUMBER}; a request may not ask the processor for "
+                "more than the server's image limits."
+            )
+
+    walk(kwargs or {}, "mm_processor_kwargs")
+    return kwargs
+
+
+RequestProcessorKwargs = Annotated[Optional[dict[str, Any]], AfterValidator(_check_processor_kwargs)]
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -54,7 +81,7 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False  # vLLM's extension
-    mm_processor_kwargs: Optional[dict[str, Any]] = None  # vLLM's extension: HF processor kwargs, over the server's
+    mm_processor_kwargs: RequestProcessorKwargs = None  # vLLM's extension: HF processor kwargs, over the server's
 
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> "_SamplingRequest":
@@ -114,7 +141,7 @@ class TokenizeRequest(BaseModel):
     prompt: Optional[str] = None
     messages: Optional[list[dict[str, Any]]] = None
     add_generation_prompt: bool = True
-    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: RequestProcessorKwargs = None
 
     @model_validator(mode="after")
     def _one_of(self) -> "TokenizeRequest":

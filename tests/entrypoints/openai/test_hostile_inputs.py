@@ -371,3 +371,18 @@ def test_silent_and_trickling_connections_are_closed(demo_engine):
             assert connection.recv(1024) == b""  # closed by the server, well before 5 s
             connection.close()
         assert httpx.get(base + "/health").status_code == 200  # a prompt client is served
+
+
+# ---- processor kwargs that would ask for unbounded work ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, where",
+    [({"size": {"shortest_edge": 50000}}, "mm_processor_kwargs.size.shortest_edge=50000"),
+     ({"crop_size": [64, 10**9]}, "mm_processor_kwargs.crop_size[1]")],
+)  # fmt: skip
+def test_processor_kwargs_beyond_the_image_limits_are_400(server, reference, kwargs, where):
+    response = alongside(
+        server[0], lambda: chat(server[0], ask(data_url(IMAGE)), mm_processor_kwargs=kwargs), reference
+    )
+    assert_json_error(response, 400, where, "over 8192")
