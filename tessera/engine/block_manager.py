@@ -23,6 +23,11 @@ class BlockManager:
             raise ValueError(f"The KV cache needs at least one block, got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block free and uncached, no request, counters at zero."""
+        num_blocks = self.num_blocks
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[Optional[bytes]] = [None] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order

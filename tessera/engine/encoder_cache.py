@@ -15,6 +15,10 @@ import torch
 class EncoderCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # embedding rows
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty, counters at zero."""
         self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.refs: dict[str, set[str]] = {}  # item hash -> ids of requests using it
         self.num_encoded = 0  # items run through the encoder, for stats and tests

@@ -16,12 +16,12 @@ from ..models.registry import ModelRegistry
 from ..multimodal import MULTIMODAL_REGISTRY
 from ..multimodal.context import load_tokenizer
 from ..multimodal.profiling import MultiModalProfiler
-from ..outputs import CompletionOutput, RequestOutput
+from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
-from .detokenizer import IncrementalDetokenizer
 from .encoder_cache import EncoderCache
 from .model_runner import ModelRunner
+from .output_processor import OutputProcessor
 from .prompt import PromptInputs, PromptType, longest_token_chars, process_prompt
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
@@ -81,7 +81,9 @@ class LLMEngine:
             num_blocks, cache_config.block_size, enable_prefix_caching=cache_config.enable_prefix_caching
         )
         self.encoder_cache = encoder_cache
-        self.scheduler = Scheduler(scheduler_config, self.block_manager, encoder_cache, self.encoder_budget)
+        self.scheduler = Scheduler(
+            scheduler_config, self.block_manager, encoder_cache, self.encoder_budget, self.max_model_len
+        )
         self.runner = ModelRunner(
             self.model,
             num_blocks=num_blocks,
@@ -89,9 +91,7 @@ class LLMEngine:
             dtype=model_config.dtype,
             device=model_config.device,
         )
-        self.children: dict[str, list[Request]] = {}  # request id -> its n sequences
-        self.prompts: dict[str, PromptInputs] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._profiling = False
         self._profile_run()
 
@@ -144,7 +144,7 @@ class LLMEngine:
     ) -> None:
         """Queue a prompt (processed here unless it is already `PromptInputs`). Bad input raises
         ValueError and leaves the engine as it was."""
-        if request_id in self.children:
+        if request_id in self.output_processor:
             raise InputError(f"Request id {request_id!r} is already in use")
         inputs = self.process_inputs(prompt, params)
         max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(inputs.token_ids))
@@ -154,23 +154,20 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + index
             child_params = dataclasses.replace(params, n=1, seed=seed, max_tokens=max_tokens)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            child = Request(
-                child_id,
-                inputs.token_ids,
-                child_params,
-                eos_token_ids=self.eos_token_ids,
-                mm_items=inputs.mm_items,
-                prompt=inputs.prompt,
-                arrival_time=arrival_time,
-                parent_id=request_id,
-                index=index,
+            children.append(
+                Request(
+                    child_id,
+                    inputs.token_ids,
+                    child_params,
+                    eos_token_ids=self.eos_token_ids,
+                    mm_items=inputs.mm_items,
+                    prompt=inputs.prompt,
+                    arrival_time=arrival_time,
+                    parent_id=request_id,
+                    index=index,
+                )
             )
-            self.detokenizers[child_id] = IncrementalDetokenizer(
-                self.tokenizer, child_params.stop, child_params.skip_special_tokens
-            )
-            children.append(child)
-        self.children[request_id] = children
-        self.prompts[request_id] = inputs
+        self.output_processor.add(request_id, inputs, children)
         for child in children:
             self.scheduler.add_request(child)
 
@@ -200,11 +197,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free what it holds; it produces no further output."""
-        for child in self.children.pop(request_id, []):
+        for child in self.output_processor.children(request_id):
             if not child.is_finished:
                 self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
-            self.detokenizers.pop(child.request_id, None)
-        self.prompts.pop(request_id, None)
+        self.output_processor.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -212,11 +208,13 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of the requests it advanced (finished ones last time).
+        """One step: schedule -> run the model -> `Scheduler.update_from_output` -> outputs of the
+        requests it advanced (finished ones for the last time).
 
         A failure while running the model fails the requests of this step (finish reason "error",
-        `RequestOutput.error` says why) and leaves the engine serving the others; only a failure of
-        the scheduler itself (the engine's own state) propagates."""
+        `RequestOutput.error` says why) and leaves the engine serving the others; a failure making
+        one request's output fails that request only. Only a failure of the scheduler itself (the
+        engine's own state) propagates."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_unfinished_requests():
@@ -229,90 +227,45 @@ class LLMEngine:
                 raise
             logger.exception("The model failed on a step of %d request(s); failing them", len(out.scheduled))
             return self._fail({step.request.parent_id: None for step in out.scheduled}, e)
-        now = time.monotonic()
-        touched: dict[str, None] = {}
+        advanced: dict[str, None] = {}
         failed: dict[str, BaseException] = {}
-        for step in out.scheduled:
-            request = step.request
+        for request in self.scheduler.update_from_output(out, sampled):
             try:
-                request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
-                request.num_computed_tokens += step.num_new_tokens
-                self.block_manager.cache_full_blocks(request)
-                for item in request.mm_items:
-                    if item.end <= request.num_computed_tokens:
-                        self.encoder_cache.release_item(item.hash, request.request_id)
-                if request.request_id in sampled:
-                    self._append_token(request, *sampled[request.request_id], now)
-                    touched[request.parent_id] = None
+                stop_string = self.output_processor.add_token(request)
+                if stop_string is not None:
+                    self._stop_on_string(request, stop_string)
+                advanced[request.parent_id] = None
             except Exception as e:  # e.g. the detokenizer on one request's tokens: that request only
-                logger.exception("Updating request %s failed; failing it", request.request_id)
+                logger.exception("Making the output of request %s failed; failing it", request.request_id)
                 failed[request.parent_id] = e
-        outputs = [self._output(parent_id) for parent_id in touched if parent_id not in failed]
+        outputs = [self.output_processor.output(parent_id) for parent_id in advanced if parent_id not in failed]
         for parent_id, e in failed.items():
             outputs += self._fail({parent_id: None}, e)
         return outputs
 
+    def _stop_on_string(self, request: Request, stop_string: str) -> None:
+        request.stop_reason = stop_string
+        if request.is_finished:  # it also reached its length limit: the stop string is the reason
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            request.metrics.finished_time = time.monotonic()
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+
     def _fail(self, parent_ids: Mapping[str, None], error: BaseException) -> list[RequestOutput]:
         """End these requests (all their sequences) with finish reason "error" and free what they hold."""
-        message = f"The engine failed while running this request ({type(error).__name__})."
         outputs = []
         for parent_id in parent_ids:
-            if parent_id not in self.children:
+            if parent_id not in self.output_processor:
                 continue
-            for child in self.children[parent_id]:
+            for child in self.output_processor.children(parent_id):
                 if not child.is_finished:
                     child.metrics.finished_time = time.monotonic()
                     self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
-            output = self._output(parent_id)
-            output.error = message
-            outputs.append(output)
-        return outputs
-
-    def _append_token(self, request: Request, token: int, logprobs: Optional[dict[int, float]], now: float) -> None:
-        request.output_token_ids.append(token)
-        if logprobs is not None:
-            request.output_logprobs.append(logprobs)
-        metrics = request.metrics
-        metrics.first_token_time = metrics.first_token_time or now
-        metrics.num_output_tokens = len(request.output_token_ids)
-        params = request.sampling_params
-        stop_string = self.detokenizers[request.request_id].add(token)
-        status = None
-        if not params.ignore_eos and token in request.eos_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-        elif token in params.stop_token_ids:
-            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif stop_string is not None:
-            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_string
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            by_token = status == RequestStatus.FINISHED_STOPPED and stop_string is None  # EOS or a stop token
-            self.detokenizers[request.request_id].finish(stop_string is not None, drop_last_token=by_token)
-            metrics.finished_time = now
-            self.scheduler.finish(request, status)
-
-    def _output(self, request_id: str) -> RequestOutput:
-        children = self.children[request_id]
-        inputs = self.prompts[request_id]
-        outputs = [
-            CompletionOutput(
-                index=child.index,
-                text=self.detokenizers[child.request_id].text,
-                token_ids=list(child.output_token_ids),
-                finish_reason=child.status.value if child.is_finished else None,
-                stop_reason=child.stop_reason,
-                logprobs=list(child.output_logprobs) if child.sampling_params.logprobs is not None else None,
-                metrics=child.metrics,
+            self.output_processor.fail(
+                parent_id, f"The engine failed while running this request ({type(error).__name__})."
             )
-            for child in children
-        ]
-        output = RequestOutput(request_id, inputs.prompt, list(inputs.token_ids), outputs)
-        if output.finished:  # the caller gets it now; forget it
-            for child in children:
-                self.detokenizers.pop(child.request_id, None)
-            del self.children[request_id], self.prompts[request_id]
-        return output
+            outputs.append(self.output_processor.output(parent_id))
+        return outputs
 
     # ---- start-up ---------------------------------------------------------------------------------
 
@@ -341,11 +294,8 @@ class LLMEngine:
                 self.step()
         finally:
             self._profiling = False
-        self.block_manager = BlockManager(
-            self.num_blocks, self.cache_config.block_size, enable_prefix_caching=self.cache_config.enable_prefix_caching
-        )
-        self.encoder_cache = EncoderCache(self.encoder_cache.capacity)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, self.encoder_cache, self.encoder_budget)
+            self.output_processor.forget("__profile__")
+        self.scheduler.reset()  # no request, no cached block or encoder output: as if new
         logger.info("Profile run with %s: %.2f s", counts, time.perf_counter() - start)
 
 

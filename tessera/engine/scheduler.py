@@ -9,8 +9,11 @@ usually still cached), so nothing crashes and nothing is lost.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ..config import SchedulerConfig
 from .block_manager import BlockManager
@@ -45,9 +48,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, encoder_cache: EncoderCache, encoder_budget: int
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        encoder_cache: EncoderCache,
+        encoder_budget: int,
+        max_model_len: Optional[int] = None,
     ) -> None:
         self.config = config
+        self.max_model_len = max_model_len or config.max_model_len
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache
         self.encoder_budget = encoder_budget
@@ -149,6 +158,58 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: Mapping[str, tuple[int, Optional[dict[int, float]]]]
+    ) -> list[Request]:
+        """After a step ran: advance each scheduled request, cache its full blocks, release the
+        encoder outputs it has consumed, append its sampled token and end it on EOS, a stop token
+        id or its length limit (stop strings need text: the output processor decides those).
+        Returns the requests that got a token, in schedule order."""
+        now = time.monotonic()
+        advanced = []
+        for step in out.scheduled:
+            request = step.request
+            request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
+            request.num_computed_tokens += step.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+            for item in request.mm_items:
+                if item.end <= request.num_computed_tokens:
+                    self.encoder_cache.release_item(item.hash, request.request_id)
+            if request.request_id in sampled:
+                self._append_token(request, *sampled[request.request_id], now)
+                advanced.append(request)
+        return advanced
+
+    def _append_token(self, request: Request, token: int, logprobs: Optional[dict[int, float]], now: float) -> None:
+        request.output_token_ids.append(token)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        metrics = request.metrics
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.num_output_tokens = len(request.output_token_ids)
+        params = request.sampling_params
+        status = None
+        if not params.ignore_eos and token in request.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif len(request.output_token_ids) >= params.max_tokens or (
+            self.max_model_len is not None and request.num_tokens >= self.max_model_len
+        ):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            metrics.finished_time = now
+            self.finish(request, status)
+
+    def reset(self) -> None:
+        """Forget everything (after the start-up profile run): no request, no cached block or
+        encoder output, counters at zero. The objects stay, so whoever holds them sees the reset."""
+        for request in [*self.running, *self.waiting]:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        self.block_manager.reset()
+        self.encoder_cache.reset()
+        self.num_preemptions = 0
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request and free what it holds."""

@@ -207,7 +207,8 @@ def test_a_model_failure_fails_the_requests_of_that_step_and_the_engine_keeps_se
         assert [o.finish_reason for o in output.outputs] == ["error"]
         assert len(output.outputs[0].token_ids) < GREEDY.max_tokens  # stopped early
     assert engine.block_manager.num_free_blocks == engine.num_blocks
-    assert not engine.children and not engine.detokenizers and engine.encoder_cache.num_referenced == 0
+    assert not engine.output_processor.requests and not engine.output_processor.detokenizers
+    assert engine.encoder_cache.num_referenced == 0
     # the engine goes on: a new request gets what it gets alone
     assert tokens(llm.generate([requests[2]], GREEDY, use_tqdm=False)) == [llava_reference[2]]
 
@@ -222,7 +223,7 @@ def test_a_failure_updating_one_request_fails_only_that_one(tiny_llava_dir, llav
     def broken(token):
         raise UnicodeError("injected")
 
-    monkeypatch.setattr(engine.detokenizers["bad#1"], "add", broken)
+    monkeypatch.setattr(engine.output_processor.detokenizers["bad#1"], "add", broken)
     finished = _run(engine)
     assert finished["ok"].error is None and tokens([finished["ok"]]) == [llava_reference[0]]
     assert finished["bad"].error and {o.finish_reason for o in finished["bad"].outputs} == {"error"}
@@ -255,3 +256,12 @@ def test_prefix_caching_keys_a_named_image_on_its_id(tiny_llava_dir):
     assert named_tokens == first_tokens  # computed from the first image's cached state
     unnamed_hits, _ = reused_tokens(second, None)
     assert unnamed_hits < named_hits
+
+
+def test_the_profile_run_leaves_nothing_behind_and_rebuilds_nothing(tiny_llava_dir):
+    engine = make_llm(tiny_llava_dir).engine
+    assert engine.scheduler.block_manager is engine.block_manager
+    assert engine.scheduler.encoder_cache is engine.encoder_cache
+    assert not engine.block_manager.cached_blocks and engine.block_manager.num_free_blocks == engine.num_blocks
+    assert not engine.encoder_cache.entries and engine.encoder_cache.num_encoded == 0
+    assert not engine.output_processor.requests and not engine.has_unfinished_requests()

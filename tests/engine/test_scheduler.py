@@ -49,21 +49,17 @@ class Harness:
         for item_hash, item in to_encode.items():
             self.cache.put(item_hash, torch.zeros(item.num_embeds, 1), out.encoder_users[item_hash])
             self.encoded.append(item_hash)
+        sampled = {}
         for s in out.scheduled:
             request = s.request
             start, end = request.num_computed_tokens, request.num_computed_tokens + s.num_new_tokens
             self.chunks.append((request.request_id, start, end))
             assert all(item.hash in self.cache.entries for item in request.items_overlapping(start, end))
             assert len(self.blocks.blocks_of(request)) * BS >= end
-            request.num_computed_tokens = end
-            self.blocks.cache_full_blocks(request)
-            for item in request.mm_items:
-                if item.end <= end:
-                    self.cache.release_item(item.hash, request.request_id)
-            if end == request.num_tokens:  # sample a token
-                request.output_token_ids.append(1000 + len(request.output_token_ids))
-                if len(request.output_token_ids) >= request.sampling_params.max_tokens:
-                    self.scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+            if end == request.num_tokens:  # the step ends at the request's last token: it samples one
+                sampled[request.request_id] = (1000 + len(request.output_token_ids), None)
+        advanced = self.scheduler.update_from_output(out, sampled)
+        assert [r.request_id for r in advanced] == list(sampled)
         return out
 
     def run(self, max_steps=200):
@@ -233,3 +229,49 @@ def test_a_request_with_a_cached_prefix_computes_only_the_rest():
     again = make_request("a2", 10)  # same prompt tokens: 2 full blocks cached
     harness.add(again)
     assert planned(harness.step()) == [("a2", 10 - 2 * BS)]
+
+
+# ---- update_from_output: what a step's sampled tokens do to request state ------------------------------------
+
+
+def test_update_from_output_advances_caches_and_stops_on_eos_stop_tokens_and_length():
+    harness = Harness()
+    eos = Request("e", [1, 2, 3], SamplingParams(max_tokens=9), eos_token_ids=frozenset({7}))
+    stop = Request("s", [4, 5, 6], SamplingParams(max_tokens=9, stop_token_ids=[8]))
+    length = Request("l", [9, 10, 11], SamplingParams(max_tokens=1))
+    ignoring = Request("i", [12, 13, 14], SamplingParams(max_tokens=9, ignore_eos=True), eos_token_ids=frozenset({7}))
+    harness.add(eos, stop, length, ignoring)
+    out = harness.scheduler.schedule()
+    logprobs = {7: -0.1}
+    advanced = harness.scheduler.update_from_output(
+        out, {"e": (7, logprobs), "s": (8, None), "l": (5, None), "i": (7, None)}
+    )
+    assert [r.request_id for r in advanced] == ["e", "s", "l", "i"]
+    assert all(r.num_computed_tokens == 3 and r.metrics.first_token_time is not None for r in advanced)
+    assert (eos.status, eos.stop_reason, eos.output_logprobs) == (RequestStatus.FINISHED_STOPPED, None, [logprobs])
+    assert (stop.status, stop.stop_reason) == (RequestStatus.FINISHED_STOPPED, 8)
+    assert length.status == RequestStatus.FINISHED_LENGTH
+    assert ignoring.status == RequestStatus.RUNNING and harness.scheduler.running == [ignoring]
+    assert all(r.metrics.finished_time is not None for r in (eos, stop, length))
+    assert harness.blocks.num_free_blocks == harness.blocks.num_blocks - 1  # only "i" holds a block
+
+
+def test_the_context_length_ends_a_request():
+    harness = Harness()
+    harness.scheduler.max_model_len = 4
+    request = Request("a", [1, 2, 3], SamplingParams(max_tokens=50))
+    harness.add(request)
+    harness.scheduler.update_from_output(harness.scheduler.schedule(), {"a": (5, None)})
+    assert request.status == RequestStatus.FINISHED_LENGTH and request.num_tokens == 4
+
+
+def test_reset_forgets_requests_cached_blocks_and_encoder_outputs():
+    harness = Harness()
+    harness.add(make_request("a", 10, images=[("h1", 2, 4)], max_tokens=3))
+    harness.run()
+    assert harness.blocks.cached_blocks and harness.cache.entries
+    harness.add(make_request("b", 6))
+    harness.scheduler.reset()
+    assert not harness.scheduler.has_unfinished_requests() and harness.scheduler.num_preemptions == 0
+    assert not harness.blocks.cached_blocks and harness.blocks.num_free_blocks == harness.blocks.num_blocks
+    assert not harness.cache.entries and harness.cache.num_encoded == 0 and harness.blocks.prefix_hits == 0
