@@ -8,8 +8,9 @@ from typing import ClassVar, Literal, Optional, Union
 import torch
 from torch import nn
 
-MultiModalEmbeddings = Union[torch.Tensor, list[torch.Tensor], tuple[torch.Tensor, ...]]
-"""A (num_items, feature_size, hidden) tensor or one (feature_size, hidden) tensor per item."""
+from .utils import MultiModalEmbeddings, merge_multimodal_embeddings, merge_multimodal_embeddings_by_mask
+
+__all__ = ["MultiModalEmbeddings", "SupportsMultiModal", "supports_multimodal"]
 
 
 class SupportsMultiModal:
@@ -42,8 +43,6 @@ class SupportsMultiModal:
         """Text embeddings of `input_ids` with the item embeddings placed at their placeholders:
         where `is_multimodal` [T] is True if given (from the placeholders' is_embed), else at
         `self.placeholder_token_id`. Models may override it, as vLLM's guide shows."""
-        from .utils import merge_multimodal_embeddings, merge_multimodal_embeddings_by_mask
-
         inputs_embeds = self.embed_text_tokens(input_ids)
         if multimodal_embeddings is None or len(multimodal_embeddings) == 0:
             return inputs_embeds

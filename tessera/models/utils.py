@@ -6,7 +6,8 @@ from typing import Union
 
 import torch
 
-from .interfaces import MultiModalEmbeddings
+MultiModalEmbeddings = Union[torch.Tensor, list[torch.Tensor], tuple[torch.Tensor, ...]]
+"""A (num_items, feature_size, hidden) tensor or one (feature_size, hidden) tensor per item."""
 
 
 def flatten_embeddings(embeddings: MultiModalEmbeddings) -> torch.Tensor:
