@@ -10,18 +10,19 @@ from typing import Any, Optional
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-_DTYPES = {
+DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }  # fmt: skip
+"""The dtype names Tessera reads (lower case), for models and pipeline params alike."""
 
 
 def parse_dtype(value: "str | torch.dtype", what: str = "dtype") -> torch.dtype:
-    if isinstance(value, torch.dtype) and value in _DTYPES.values():
+    if isinstance(value, torch.dtype) and value in DTYPE_NAMES.values():
         return value
-    if isinstance(value, str) and value.lower() in _DTYPES:
-        return _DTYPES[value.lower()]
+    if isinstance(value, str) and value.lower() in DTYPE_NAMES:
+        return DTYPE_NAMES[value.lower()]
     raise ValueError(f"Unsupported {what} {value!r}; use float32, bfloat16 or float16.")
 
 

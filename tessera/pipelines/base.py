@@ -15,8 +15,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-                "fp32": torch.float32, "float32": torch.float32}  # fmt: skip
+from ..config import DTYPE_NAMES
 
 
 class AbstractMultimodalPipeline(ABC):
@@ -82,8 +81,8 @@ class AbstractMultimodalPipeline(ABC):
         value = (params or {}).get(setting_name)
         if value is None:
             return torch.float32
-        if isinstance(value, str) and value.lower() in _DTYPE_NAMES:
-            return _DTYPE_NAMES[value.lower()]
+        if isinstance(value, str) and value.lower() in DTYPE_NAMES:
+            return DTYPE_NAMES[value.lower()]
         bits = int(value)
         if bits not in (16, 32):
             raise ValueError(f"{setting_name} must be 16 or 32 (or bf16), got {value!r}")

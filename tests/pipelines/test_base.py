@@ -25,8 +25,9 @@ class Minimal(AbstractMultimodalPipeline):
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(None, torch.float32), (32, torch.float32), ("16", torch.float16), (16, torch.float16), ("bf16", torch.bfloat16)],
-)
+    [(None, torch.float32), (32, torch.float32), ("16", torch.float16), (16, torch.float16), ("bf16", torch.bfloat16),
+     ("Half", torch.float16), ("float32", torch.float32)],
+)  # fmt: skip
 def test_get_dtype_reads_bits_or_names(value, expected):
     assert Minimal()._get_dtype("vision_bits", {"vision_bits": value}) == expected
 
