@@ -6,8 +6,6 @@ across sequences: `[num_tokens]` ids and positions, `[num_tokens, hidden]` activ
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -17,7 +15,7 @@ from tessera.layers.attention import PagedAttention
 from tessera.layers.layernorm import RMSNorm
 from tessera.layers.linear import Linear, MergedLinear
 from tessera.layers.rotary import RotaryEmbedding
-from tessera.models.causal_lm import CausalLM
+from tessera.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 
 
 class LlamaAttention(nn.Module):
@@ -58,7 +56,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb)
@@ -66,28 +64,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
-
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary_emb = RotaryEmbedding(
-            config, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )  # one for all layers: cos/sin once per step
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.norm(hidden_states)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        make_norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
+        super().__init__(config, head_dim, LlamaDecoderLayer, "norm", make_norm)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -7,8 +7,6 @@ squared-ReLU MLP.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 from transformers import PersimmonConfig
@@ -17,7 +15,7 @@ from tessera.layers.activations import get_activation
 from tessera.layers.attention import PagedAttention
 from tessera.layers.linear import Linear
 from tessera.layers.rotary import RotaryEmbedding
-from tessera.models.causal_lm import CausalLM
+from tessera.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 
 
 class PersimmonAttention(nn.Module):
@@ -55,7 +53,7 @@ class PersimmonMLP(nn.Module):
         return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
 
 
-class PersimmonDecoderLayer(nn.Module):
+class PersimmonDecoderLayer(DecoderLayer):
     def __init__(self, config: PersimmonConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = PersimmonAttention(config, rotary_emb)
@@ -63,28 +61,12 @@ class PersimmonDecoderLayer(nn.Module):
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
-
-class PersimmonModel(nn.Module):
+class PersimmonModel(DecoderModel):
     def __init__(self, config: PersimmonConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary_emb = RotaryEmbedding(
-            config, config.hidden_size // config.num_attention_heads
-        )  # one for all layers: cos/sin once per step
-        self.layers = nn.ModuleList(PersimmonDecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
-        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-    def forward(
-        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.final_layernorm(hidden_states)
+        head_dim = config.hidden_size // config.num_attention_heads
+        make_norm = lambda: nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)  # noqa: E731
+        super().__init__(config, head_dim, PersimmonDecoderLayer, "final_layernorm", make_norm)
 
 
 class PersimmonForCausalLM(CausalLM):
