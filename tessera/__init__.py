@@ -6,7 +6,7 @@ from .logger import configure_logging
 
 configure_logging()
 
-from .llm import LLM  # noqa: E402
+from .entrypoints.llm import LLM  # noqa: E402
 from .models import ModelRegistry  # noqa: E402
 from .outputs import CompletionOutput, RequestOutput  # noqa: E402
 from .sampling_params import SamplingParams  # noqa: E402

@@ -20,9 +20,10 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
+from .input_preprocessor import EngineLimits, InputPreprocessor
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
-from .prompt import PromptInputs, PromptType, longest_token_chars, process_prompt
+from .prompt import PromptInputs, PromptType
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
 
@@ -55,10 +56,6 @@ class LLMEngine:
         text_config = model_config.hf_config.get_text_config()
         self.max_model_len = scheduler_config.max_model_len or text_config.max_position_embeddings
         self.eos_token_ids = _eos_token_ids(self.tokenizer, text_config, model_config.hf_config)
-        self.vocab_size = text_config.vocab_size  # token ids a prompt may hold: rows of the embedding table
-        # No text longer than this can fit the context (every token covers at most this many
-        # characters): refused before tokenizing, which is slow for megabytes.
-        self.max_prompt_chars = self.max_model_len * longest_token_chars(self.tokenizer)
 
         max_item = 0
         if self.processor is not None:
@@ -91,6 +88,12 @@ class LLMEngine:
             dtype=model_config.dtype,
             device=model_config.device,
         )
+        limits = EngineLimits(
+            max_model_len=self.max_model_len,
+            encoder_rows=min(self.encoder_budget, encoder_cache.capacity),
+            kv_tokens=num_blocks * cache_config.block_size,
+        )
+        self.input_preprocessor = InputPreprocessor(model_config, self.tokenizer, self.processor, limits)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._profiling = False
         self._profile_run()
@@ -126,14 +129,8 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
 
     def process_inputs(self, prompt: Union[PromptType, PromptInputs], params: SamplingParams) -> PromptInputs:
-        """Validate and process a prompt (tokenizer, HF processor) without touching the engine's
-        state, so the server runs it on a worker thread while the engine keeps stepping.
-        Bad input raises ValueError (an `InputError`)."""
-        inputs = (
-            prompt if isinstance(prompt, PromptInputs) else process_prompt(self, prompt, params.truncate_prompt_tokens)
-        )
-        self._check_fits(inputs, params)
-        return inputs
+        """The InputPreprocessor's work (touches no engine state: any thread may run it)."""
+        return self.input_preprocessor.process(prompt, params)
 
     def add_request(
         self,
@@ -170,30 +167,6 @@ class LLMEngine:
         self.output_processor.add(request_id, inputs, children)
         for child in children:
             self.scheduler.add_request(child)
-
-    def _check_fits(self, inputs: PromptInputs, params: SamplingParams) -> None:
-        num_tokens = len(inputs.token_ids)
-        if num_tokens >= self.max_model_len:
-            raise InputError(
-                f"The prompt has {num_tokens} tokens but the model's context is {self.max_model_len}; "
-                "shorten it or set truncate_prompt_tokens."
-            )
-        if num_tokens == 0:
-            raise InputError("The prompt is empty.")
-        capacity = min(self.encoder_budget, self.encoder_cache.capacity)
-        for item in inputs.mm_items:
-            if item.num_embeds > capacity:
-                raise InputError(
-                    f"A {item.modality} needs {item.num_embeds} encoder rows but the encoder budget is {capacity}; "
-                    "raise max_num_encoder_input_tokens / encoder_cache_size or send a smaller item."
-                )
-        kv_tokens = self.num_blocks * self.cache_config.block_size
-        needed = min(num_tokens + (params.max_tokens or self.max_model_len), self.max_model_len)
-        if needed > kv_tokens:
-            raise InputError(
-                f"This request may need {needed} tokens of KV cache but it holds {kv_tokens}; "
-                "raise kv_cache_memory or lower max_tokens."
-            )
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free what it holds; it produces no further output."""

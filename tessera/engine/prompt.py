@@ -6,13 +6,10 @@ import logging
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 from ..errors import InputError, InputTooLargeError
 from .request import MultiModalItem
-
-if TYPE_CHECKING:
-    from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +27,17 @@ class PromptInputs:
     mm_items: list[MultiModalItem]
 
 
-def process_prompt(engine: "LLMEngine", prompt: PromptType, truncate_to: Optional[int] = None) -> PromptInputs:
+class PromptContext(Protocol):
+    """What turning a prompt into inputs reads (the InputPreprocessor has it)."""
+
+    model_config: Any
+    tokenizer: Any
+    processor: Any  # the model's multimodal processor, or None for a text model
+    vocab_size: int
+    max_prompt_chars: int
+
+
+def process_prompt(engine: PromptContext, prompt: PromptType, truncate_to: Optional[int] = None) -> PromptInputs:
     if isinstance(prompt, str):
         prompt = {"prompt": prompt}
     elif isinstance(prompt, list):

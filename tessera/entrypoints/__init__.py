@@ -1,1 +1,1 @@
-"""User-facing entry points: the command line (and, later, the HTTP server)."""
+"""User-facing entry points: the offline `LLM` API, the `tessera` command line and the OpenAI-compatible server."""

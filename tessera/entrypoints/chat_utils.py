@@ -132,3 +132,20 @@ def render_chat(
     model's HF processor (or tokenizer for text-only models)."""
     hf_messages, images, uuids = parse_chat_messages_with_uuids(messages, load_image, image_text)
     return render_prompt(renderer, chat_template, hf_messages, images, add_generation_prompt, uuids=uuids)
+
+
+def render_plain(
+    messages: Sequence[Message], load_image: ImageLoader, placeholder: Optional[Callable[[int], Optional[str]]]
+) -> dict:
+    """For a model without a chat template (e.g. Fuyu, or a text model with a pipeline): the last
+    message as it is, its text parts joined by spaces after its images' placeholders."""
+    parts = messages[-1]["content"]
+    if isinstance(parts, str):
+        parts = [{"type": "text", "text": parts}]
+    text = " ".join(p["text"] for p in parts if p["type"] == "text")
+    urls = [image_url_of(p) for p in parts if p["type"] == "image_url"]
+    text = "".join((placeholder(i) if placeholder else None) or "" for i in range(len(urls))) + text
+    prompt: dict = {"prompt": text}
+    if urls:
+        prompt["multi_modal_data"] = {"image": [load_image(url) for url in urls]}
+    return prompt

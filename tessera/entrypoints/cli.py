@@ -172,7 +172,7 @@ def _load(model: Optional[str], out: TextIO, options: Optional[dict] = None) -> 
     folder = _model_folder(model)
     print(f"Loading {folder} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    from ..llm import LLM  # heavy imports only once the arguments are known to be good
+    from .llm import LLM  # heavy imports only once the arguments are known to be good
 
     llm = LLM(str(folder), kv_cache_memory="256MiB", **(options or {}))
     print(f"Ready in {time.perf_counter() - start:.1f} s.", file=sys.stderr, flush=True)
@@ -190,34 +190,14 @@ def _user_message(text: str, images: Sequence[str]) -> dict:
 
 def stream_chat(llm: Any, messages: list[dict], params: SamplingParams) -> Iterator[str]:
     """Yield the reply to `messages` piece by piece as the engine produces it."""
-    engine = llm.engine
-    if llm.chat_template is not None:
-        prompt = llm.render_chat(messages)
-    else:  # no template (e.g. Fuyu, or a text model with a pipeline): the last message as it is
-        parts = messages[-1]["content"]
-        text = " ".join(p["text"] for p in parts if p["type"] == "text")
-        images = [p["image_url"]["url"] for p in parts if p["type"] == "image_url"]
-        placeholder = getattr(type(engine.model), "get_placeholder_str", lambda modality, i: None)
-        text = "".join(placeholder("image", i) or "" for i in range(len(images))) + text
-        prompt = {
-            "prompt": text,
-            "multi_modal_data": {"image": [load_image_url(u, LOCAL_FILES) for u in images]},
-        }
-    request_id = f"cli-{time.monotonic_ns()}"
-    engine.add_request(request_id, prompt, params)
     printed = 0
-    try:
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.request_id == request_id:
-                    if output.error is not None:
-                        raise RuntimeError(output.error)
-                    text = output.outputs[0].text
-                    if len(text) > printed:
-                        yield text[printed:]
-                        printed = len(text)
-    finally:
-        engine.abort_request(request_id)
+    for output in llm.stream(llm.render_chat(messages, plain_fallback=True), params):
+        if output.error is not None:
+            raise RuntimeError(output.error)
+        text = output.outputs[0].text
+        if len(text) > printed:
+            yield text[printed:]
+            printed = len(text)
 
 
 def _stream_answer(llm: Any, messages: list[dict], params: SamplingParams, out: TextIO) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from tessera import LLM, SamplingParams
 from tessera.entrypoints.cli import main
-from tests.multimodal.test_processing import random_images
+from tessera.testing import random_images
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_chat_survives_a_bad_image_and_a_failed_turn(tiny_llava_dir, image_file,
     execute, calls = ModelRunner.execute, []
 
     def fail_once(self, out, *args):
-        if out.scheduled[0].request.request_id.startswith("cli-") and not calls:  # the first turn's first step
+        if out.scheduled[0].request.request_id != "__profile__" and not calls:  # the first turn's first step
             calls.append(1)
             raise RuntimeError("injected fault")
         return execute(self, out, *args)

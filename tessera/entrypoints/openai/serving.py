@@ -59,7 +59,7 @@ class OpenAIServing:
             raise InputError("Unsupported content part type 'image_pil'; send images as image_url parts.")
         self._check_image_count(len(urls))
         chars = sum(len(p["text"]) for m in hf_messages for p in _parts(m["content"]) if p["type"] == "text")
-        check_text_length(chars, self.engine.engine.max_prompt_chars)  # before rendering megabytes
+        check_text_length(chars, self.engine.engine.input_preprocessor.max_prompt_chars)  # before rendering megabytes
         images = await self.media.load_all(urls)
         return await asyncio.to_thread(
             render_prompt, self.renderer, self.chat_template, hf_messages, images, add_generation_prompt, uuids=uuids

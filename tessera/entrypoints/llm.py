@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
 
 from tqdm.auto import tqdm
 
-from .engine.llm_engine import LLMEngine
-from .engine.prompt import PromptType
-from .entrypoints.chat_utils import Message, render_chat
-from .multimodal.media import LOCAL_FILES, load_image_url
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from ..engine.llm_engine import LLMEngine
+from ..engine.prompt import PromptType
+from ..multimodal.media import LOCAL_FILES, load_image_url
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .chat_utils import Message, render_chat, render_plain
 
 
 class LLM:
@@ -52,31 +52,47 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"Got {len(params_list)} sampling params for {len(prompts)} prompts")
-        ids = []
+        ids = self._add_all(prompts, params_list)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2) as bar:
+            for output in self._drive(ids):
+                if output.finished:
+                    finished[output.request_id] = output
+                    bar.update(1)
+        return [finished[i] for i in ids]
+
+    def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[RequestOutput]:
+        """The outputs of one prompt as the engine produces them, step by step (the last one is
+        finished); stopping the iteration early aborts the request."""
+        (request_id,) = self._add_all([prompt], [sampling_params or SamplingParams()])
+        yield from self._drive([request_id])
+
+    def _add_all(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams]) -> list[str]:
+        """Validate and queue every prompt before running any; none is queued if one is bad."""
+        ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params_list):  # validate and queue all before running any
+            for prompt, p in zip(prompts, params):
                 ids.append(str(next(self._ids)))
                 self.engine.add_request(ids[-1], prompt, p)
         except Exception:
             for request_id in ids[:-1]:
                 self.engine.abort_request(request_id)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2) as bar:
-            try:
-                while self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
+    def _drive(self, ids: list[str]) -> Iterator[RequestOutput]:
+        """The synchronous loop: step the engine until these requests finish, yielding their outputs."""
+        waiting = set(ids)
+        try:
+            while waiting and self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.request_id in waiting:
                         if output.finished:
-                            finished[output.request_id] = output
-                            bar.update(1)
-            except BaseException:  # leave no request behind for the next call
-                for request_id in ids:
-                    self.engine.abort_request(request_id)
-                raise
-        return [finished[i] for i in ids]
+                            waiting.discard(output.request_id)
+                        yield output
+        finally:  # an error, or a caller that stopped early: leave no request behind
+            for request_id in waiting:
+                self.engine.abort_request(request_id)
 
     def chat(
         self,
@@ -108,11 +124,20 @@ class LLM:
         return getattr(self._chat_renderer(), "chat_template", None)
 
     def render_chat(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True, chat_template: Optional[str] = None
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        chat_template: Optional[str] = None,
+        *,
+        plain_fallback: bool = False,
     ) -> dict:
         """The engine prompt for an OpenAI-style conversation: text through the chat template,
-        images loaded in order (data URLs, file:// URLs, local paths or image_pil parts)."""
+        images loaded in order (data URLs, file:// URLs, local paths or image_pil parts). With
+        `plain_fallback`, a model without a template gets the last message as it is."""
         load = functools.partial(load_image_url, policy=LOCAL_FILES)
         renderer, image_text = self.engine.chat_renderer()
-        return render_chat(renderer, chat_template or self.chat_template, messages, load, add_generation_prompt,
-                           image_text)  # fmt: skip
+        template = chat_template or self.chat_template
+        if template is None and plain_fallback:
+            placeholder = getattr(type(self.engine.model), "get_placeholder_str", None)
+            return render_plain(messages, load, (lambda i: placeholder("image", i)) if placeholder else None)
+        return render_chat(renderer, template, messages, load, add_generation_prompt, image_text)
