@@ -1,4 +1,5 @@
-"""Fuyu: image patches embedded by one linear layer, fed inline to a Persimmon decoder.
+"""Fuyu: image patches embedded by one linear layer, fed inline to the decoder that
+text_config.model_type names in the text-model registry (Persimmon).
 
 There is no image placeholder in the user's prompt: the HF processor puts the image first, as a
 grid of |SPEAKER| patch tokens with a |NEWLINE| after each row, then BOS, the text and the
@@ -17,7 +18,7 @@ from transformers import BatchFeature, FuyuConfig, FuyuImageProcessor, FuyuProce
 
 from tessera.layers.linear import Linear
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
-from tessera.models.persimmon import PersimmonForCausalLM
+from tessera.models.registry import ModelRegistry
 from tessera.models.utils import module_dtype_device
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
@@ -151,7 +152,7 @@ class FuyuForCausalLM(nn.Module, SupportsMultiModal):
         self.config = config
         patch_dim = config.patch_size * config.patch_size * config.num_channels
         self.vision_embed_tokens = Linear(patch_dim, config.hidden_size)
-        self.language_model = PersimmonForCausalLM(config.text_config)
+        self.language_model = ModelRegistry.resolve_text_model_cls(config.text_config)(config.text_config)
         # The |SPEAKER| id is the tokenizer's and FuyuConfig 4.48 lacks it: merging by token id needs
         # it set; the engine merges by the placeholders' is_embed mask instead.
         self.placeholder_token_id: Optional[int] = getattr(config, "image_token_id", None)

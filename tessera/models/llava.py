@@ -1,4 +1,5 @@
-"""LLaVA: CLIP vision tower + projector + Llama. Processing as in vLLM's multimodal guide.
+"""LLaVA: CLIP vision tower + projector + the language model that text_config.model_type names in
+the text-model registry (Llama in LLaVA-1.5). Processing as in vLLM's multimodal guide.
 
 Each `<image>` in the prompt becomes one image token per vision feature, i.e.
 (image_size // patch_size)**2 (+1 for the CLS token with the "full" select strategy).
@@ -17,7 +18,7 @@ from tessera.layers.activations import get_activation
 from tessera.layers.linear import Linear
 from tessera.models.clip import CLIPVisionModel
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
-from tessera.models.llama import LlamaForCausalLM
+from tessera.models.registry import ModelRegistry
 from tessera.models.utils import module_dtype_device
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
@@ -142,11 +143,10 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
             )
         if config.vision_config.model_type != "clip_vision_model":
             raise ValueError(f"Unsupported LLaVA vision tower {config.vision_config.model_type!r}; supported: CLIP")
-        if config.text_config.model_type != "llama":
-            raise ValueError(f"Unsupported LLaVA language model {config.text_config.model_type!r}; supported: llama")
+        language_model_cls = ModelRegistry.resolve_text_model_cls(config.text_config)
         self.vision_tower = CLIPVisionModel(config.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(config, len(self.feature_layers))
-        self.language_model = LlamaForCausalLM(config.text_config)
+        self.language_model = language_model_cls(config.text_config)
         self.placeholder_token_id = config.image_token_index
 
     def get_language_model(self) -> nn.Module:

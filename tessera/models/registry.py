@@ -1,4 +1,5 @@
-"""ModelRegistry: config.json `architectures` -> model class, built-in or registered out of tree."""
+"""ModelRegistry: config.json `architectures` -> model class, built-in or registered out of tree;
+and a multimodal model's `text_config.model_type` -> the class of its language model."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import importlib
 import logging
 from collections.abc import Sequence
 from typing import Union
+
+from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -16,31 +19,47 @@ _BUILTIN_MODELS = {
     "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
     "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",
 }
+# Language models a multimodal model builds on, by its text_config.model_type.
+_BUILTIN_TEXT_MODELS = {
+    "llama": "tessera.models.llama:LlamaForCausalLM",
+    "persimmon": "tessera.models.persimmon:PersimmonForCausalLM",
+}
 
 
 class _ModelRegistry:
     def __init__(self) -> None:
         self._models: dict[str, Union[type, str]] = dict(_BUILTIN_MODELS)
+        self._text_models: dict[str, Union[type, str]] = dict(_BUILTIN_TEXT_MODELS)
 
     def register_model(self, architecture: str, model_cls: Union[type, str]) -> None:
         """Register `model_cls` (a class, or "module.path:ClassName" imported lazily) for an
         architecture name as written in config.json, as vLLM plugins do."""
-        if not isinstance(model_cls, (type, str)) or (isinstance(model_cls, str) and ":" not in model_cls):
-            raise ValueError(f"model_cls must be a class or a 'module.path:ClassName' string, got {model_cls!r}")
-        if architecture in self._models:
-            logger.warning("Architecture %s is already registered; replacing it with %s.", architecture, model_cls)
-        self._models[architecture] = model_cls
+        _register(self._models, "Architecture", architecture, model_cls)
+
+    def register_text_model(self, model_type: str, model_cls: Union[type, str]) -> None:
+        """Register the language model class (as in register_model) that multimodal models build
+        for a `text_config.model_type`; it takes the text config and has the CausalLM interface."""
+        _register(self._text_models, "Text model type", model_type, model_cls)
 
     def get_supported_archs(self) -> list[str]:
         return sorted(self._models)
 
+    def get_supported_text_model_types(self) -> list[str]:
+        return sorted(self._text_models)
+
     def load_model_cls(self, architecture: str) -> type:
-        entry = self._models[architecture]
-        if isinstance(entry, str):
-            module_name, class_name = entry.split(":")
-            entry = getattr(importlib.import_module(module_name), class_name)
-            self._models[architecture] = entry
-        return entry
+        return _load(self._models, architecture)
+
+    def resolve_text_model_cls(self, text_config: PretrainedConfig) -> type:
+        """The language model class for a multimodal config's `text_config` (by its model_type)."""
+        model_type = text_config.model_type
+        if model_type not in self._text_models:
+            raise ValueError(
+                f"Unsupported language model {model_type!r} (text_config.model_type). Supported: "
+                f"{', '.join(self.get_supported_text_model_types())}. Register another with "
+                "tessera.ModelRegistry.register_text_model(model_type, model_cls)."
+            )
+        return _load(self._text_models, model_type)
 
     def resolve_model_cls(self, architectures: Sequence[str]) -> tuple[type, str]:
         """The first supported architecture of a config's `architectures` list."""
@@ -52,6 +71,24 @@ class _ModelRegistry:
             f"{', '.join(self.get_supported_archs())}. Register another with "
             "tessera.ModelRegistry.register_model(architecture, model_cls)."
         )
+
+
+def _register(table: dict[str, Union[type, str]], what: str, key: str, model_cls: Union[type, str]) -> None:
+    if not isinstance(model_cls, (type, str)) or (isinstance(model_cls, str) and ":" not in model_cls):
+        raise ValueError(f"model_cls must be a class or a 'module.path:ClassName' string, got {model_cls!r}")
+    if key in table:
+        logger.warning("%s %s is already registered; replacing it with %s.", what, key, model_cls)
+    table[key] = model_cls
+
+
+def _load(table: dict[str, Union[type, str]], key: str) -> type:
+    """The class registered under `key`, imported on first use."""
+    entry = table[key]
+    if isinstance(entry, str):
+        module_name, class_name = entry.split(":")
+        entry = getattr(importlib.import_module(module_name), class_name)
+        table[key] = entry
+    return entry
 
 
 ModelRegistry = _ModelRegistry()
