@@ -171,13 +171,7 @@ class FuyuForCausalLM(nn.Module, SupportsMultiModal):
         return [self.vision_embed_tokens(p.to(device=device, dtype=dtype)) for p in image_patches]  # type: ignore
 
     def forward(
-        self,
-        input_ids: Optional[torch.Tensor],
-        positions: torch.Tensor,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        **kwargs: object,
+        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        """Hidden states [T, hidden]; image_patches given as kwargs are embedded here."""
-        if inputs_embeds is None:
-            inputs_embeds = self.get_input_embeddings(input_ids, self.get_multimodal_embeddings(**kwargs))
-        return self.language_model(None, positions, inputs_embeds)
+        """Hidden states [T, hidden]; items are merged into inputs_embeds by get_input_embeddings."""
+        return self.language_model(input_ids, positions, inputs_embeds)

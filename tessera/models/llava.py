@@ -175,13 +175,7 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
         return self._image_features(pixel_values)
 
     def forward(
-        self,
-        input_ids: Optional[torch.Tensor],
-        positions: torch.Tensor,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        **kwargs: object,
+        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        """Hidden states [T, hidden]; images given as kwargs (e.g. pixel_values) are embedded here."""
-        if inputs_embeds is None:
-            inputs_embeds = self.get_input_embeddings(input_ids, self.get_multimodal_embeddings(**kwargs))
-        return self.language_model(None, positions, inputs_embeds)
+        """Hidden states [T, hidden]; items are merged into inputs_embeds by get_input_embeddings."""
+        return self.language_model(input_ids, positions, inputs_embeds)

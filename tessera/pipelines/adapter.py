@@ -150,10 +150,12 @@ class PipelineForCausalLM(nn.Module, SupportsMultiModal):
     def embed_text_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.pipeline.embed_tokens(input_ids)  # the pipeline may embed text its own way
 
-    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor,
-                inputs_embeds: Optional[torch.Tensor] = None, **kwargs: object) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden]; items are merged into inputs_embeds by get_input_embeddings."""
         if inputs_embeds is None:
-            inputs_embeds = self.get_input_embeddings(input_ids, self.get_multimodal_embeddings(**kwargs))
+            inputs_embeds = self.embed_text_tokens(input_ids)  # the pipeline's text embeddings
         return self.language_model(None, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
