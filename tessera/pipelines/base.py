@@ -1,10 +1,11 @@
 """The pipeline interface of text-generation-webui's multimodal extension: a vision tower plus
 projector that turns images into embeddings for a text LLM.
 
-Tessera runs a pipeline through its own processing framework and engine (see adapter.py), so a
-pipeline gets processor caching, batching, chunked prefill and prefix caching without code of its
-own. What differs from the webui: `embed_tokens` and `placeholder_embeddings` have defaults that
-use the text model Tessera attaches, and `num_image_embeds` may depend on the loaded vision tower."""
+Tessera runs a pipeline through its own processing framework and engine (see
+tessera/models/pipeline_adapter.py), so a pipeline gets processor caching, batching, chunked
+prefill and prefix caching without code of its own. What differs from the webui: `embed_tokens`
+and `placeholder_embeddings` have defaults that use the text model Tessera attaches, and
+`num_image_embeds` may depend on the loaded vision tower."""
 
 from __future__ import annotations
 

@@ -1,0 +1,182 @@
+"""A vision pipeline plugin (tessera.pipelines) + a text LLM seen as one multimodal model, through
+the same interfaces as every other model: a BaseMultiModalProcessor (prompt -> tokens, images ->
+items) and a SupportsMultiModal model (items -> embeddings). So the engine has no second code path;
+factory.build_model builds it when ModelConfig.multimodal_config.uses_pipeline.
+
+Prompts mark each image with IMAGE_MARKER (inline <img> tags and chat image parts become it). The
+processor splits the text at the markers, tokenizes each text part on its own (as the webui does),
+and puts image_start + placeholder_token_id x num_image_embeds + image_end in each marker's place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+from transformers import BatchFeature
+
+from ..config import ModelConfig
+from ..multimodal.cache import ProcessingCache
+from ..multimodal.context import InputProcessingContext
+from ..multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
+from ..multimodal.parse import MultiModalDataItems
+from ..multimodal.processing import BaseMultiModalProcessor, BaseProcessingInfo
+from ..multimodal.profiling import BaseDummyInputsBuilder
+from ..multimodal.prompt_updates import PromptReplacement, PromptUpdateDetails
+from ..pipelines.base import AbstractMultimodalPipeline
+from ..pipelines.discovery import load_pipeline
+from .interfaces import MultiModalEmbeddings, SupportsMultiModal
+from .loader import load_model
+from .utils import module_dtype_device
+
+IMAGE_MARKER = "<image>"
+
+
+class PipelineProcessingInfo(BaseProcessingInfo):
+    def __init__(self, ctx: Any, pipeline: AbstractMultimodalPipeline) -> None:
+        super().__init__(ctx)
+        self.pipeline = pipeline
+
+    def get_supported_mm_limits(self) -> Mapping[str, Optional[int]]:
+        return {"image": None}
+
+    def marker_ids(self) -> tuple[list[int], list[int]]:
+        """Token ids of the pipeline's image start and end texts (empty when it has none)."""
+        tokenizer = self.get_tokenizer()
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False) if text else []  # noqa: E731
+        return encode(self.pipeline.image_start()), encode(self.pipeline.image_end())
+
+    def image_token_ids(self) -> list[int]:
+        start, end = self.marker_ids()
+        return start + [self.pipeline.placeholder_token_id()] * self.pipeline.num_image_embeds() + end
+
+    def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, int]:
+        return {"image": self.pipeline.num_image_embeds()}
+
+
+class PipelineDummyInputsBuilder(BaseDummyInputsBuilder[PipelineProcessingInfo]):
+    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
+        return IMAGE_MARKER * mm_counts.get("image", 0)
+
+    def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, Any]:
+        return {"image": [Image.new("RGB", (336, 336), (128, 128, 128))] * mm_counts.get("image", 0)}
+
+
+class PipelineMultiModalProcessor(BaseMultiModalProcessor[PipelineProcessingInfo]):
+    def _call_hf_processor(
+        self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object]
+    ) -> BatchFeature:
+        tokenizer = self.info.get_tokenizer()
+        image_ids = self.info.image_token_ids()
+        ids: list[int] = []
+        for k, piece in enumerate(prompt.split(IMAGE_MARKER)):
+            if k > 0:
+                ids += image_ids
+            if k == 0 or piece:
+                ids += tokenizer.encode(piece, add_special_tokens=k == 0)
+        images = [_as_rgb_tensor(image) for image in mm_data.get("images", [])]  # type: ignore[union-attr]
+        out: dict[str, Any] = {"input_ids": torch.tensor([ids])}
+        if images:
+            out["image_pixels"] = images
+        return BatchFeature(out)
+
+    def _get_mm_fields_config(self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]):
+        return {"image_pixels": MultiModalFieldConfig.batched("image")}
+
+    def _get_prompt_updates(
+        self,
+        mm_items: MultiModalDataItems,
+        hf_processor_mm_kwargs: Mapping[str, object],
+        out_mm_kwargs: MultiModalKwargs,
+    ) -> Sequence[PromptReplacement]:
+        replacement = PromptUpdateDetails.select_token_id(
+            self.info.image_token_ids(), embed_token_id=self.info.pipeline.placeholder_token_id()
+        )
+        return [PromptReplacement(modality="image", target=IMAGE_MARKER, replacement=replacement)]
+
+    def _place_items(self, prompt_ids: list[int], resolved: Any, maybe_applied: bool) -> tuple[list[int], dict]:
+        # Text always goes through _call_hf_processor, which expands every marker itself (also on the
+        # cached path), so the placeholders are there to be found.
+        return super()._place_items(prompt_ids, resolved, True)
+
+
+def _as_rgb_tensor(image: Any) -> torch.Tensor:
+    """An image as uint8 [H, W, 3] (hashable, cacheable), back to PIL for the pipeline later."""
+    if isinstance(image, torch.Tensor):  # CHW, as the parser accepts
+        image = Image.fromarray(image.permute(1, 2, 0).to(torch.uint8).numpy())
+    elif isinstance(image, np.ndarray):
+        image = Image.fromarray(image)
+    return torch.from_numpy(np.asarray(image.convert("RGB")).copy())
+
+
+class PipelineForCausalLM(nn.Module, SupportsMultiModal):
+    """The text LLM with the pipeline's image embeddings merged in at the placeholder positions."""
+
+    def __init__(self, language_model: nn.Module, pipeline: AbstractMultimodalPipeline, tokenizer: Any) -> None:
+        super().__init__()
+        self.language_model = language_model
+        self.pipeline = pipeline
+        pipeline.attach(language_model, tokenizer)
+        self.placeholder_token_id = pipeline.placeholder_token_id()
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> Optional[str]:
+        return IMAGE_MARKER if modality == "image" else None
+
+    def get_language_model(self) -> nn.Module:
+        return self.language_model
+
+    def get_multimodal_embeddings(self, **kwargs: object) -> Optional[MultiModalEmbeddings]:
+        pixels = kwargs.get("image_pixels")
+        if pixels is None:
+            return None
+        images = [Image.fromarray(p.numpy()) for p in pixels]  # type: ignore[union-attr]
+        with torch.no_grad():
+            embeddings = self.pipeline.embed_images(images)
+        hidden = self.language_model.config.hidden_size
+        expected = (len(images), self.pipeline.num_image_embeds(), hidden)
+        if tuple(embeddings.shape) != expected:
+            raise ValueError(
+                f"Pipeline {self.pipeline.name()!r} returned embeddings of shape {tuple(embeddings.shape)} "
+                f"for {len(images)} image(s); expected {expected} (images, num_image_embeds, text hidden size)"
+            )
+        dtype, device = module_dtype_device(self.language_model)
+        return embeddings.to(device=device, dtype=dtype)
+
+    def embed_text_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.pipeline.embed_tokens(input_ids)  # the pipeline may embed text its own way
+
+    def forward(
+        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden]; items are merged into inputs_embeds by get_input_embeddings."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_text_tokens(input_ids)  # the pipeline's text embeddings
+        return self.language_model(None, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states)
+
+
+def build_with_pipeline(
+    model_config: ModelConfig, tokenizer: Any
+) -> tuple[AbstractMultimodalPipeline, PipelineMultiModalProcessor, PipelineForCausalLM]:
+    """(pipeline, processor, model) for a text model folder with a vision pipeline plugin: the
+    pipeline chosen by name, else by the folder's name, as ModelConfig.multimodal_config says."""
+    mm = model_config.multimodal_config
+    name = None if mm.multimodal_pipeline in (None, "auto") else mm.multimodal_pipeline
+    params = {"model_path": str(model_config.model), **mm.pipeline_params}
+    pipeline = load_pipeline(name, model_name=Path(model_config.model).name, params=params,
+                             pipelines_dir=mm.pipelines_dir)  # fmt: skip
+    # Original LLaVA checkpoints carry the projector and vision tower beside the text weights.
+    text_model = load_model(model_config, ignore_prefixes=("model.mm_projector.", "model.vision_tower."))
+    model = PipelineForCausalLM(text_model, pipeline, tokenizer)
+    info = PipelineProcessingInfo(InputProcessingContext(model_config, tokenizer), pipeline)
+    cache = ProcessingCache.from_gb(mm.mm_processor_cache_gb)
+    processor = PipelineMultiModalProcessor(info, PipelineDummyInputsBuilder(info), cache=cache)
+    return pipeline, processor, model

@@ -1,0 +1,43 @@
+"""build_model: a model folder -> model + processor (or none), as the engine runs them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from tessera.config import ModelConfig, MultiModalConfig
+from tessera.models.factory import BuiltModel, build_model
+from tessera.multimodal.context import load_tokenizer
+
+
+def test_a_multimodal_folder_gets_its_registered_processor(tiny_llava_dir):
+    config = ModelConfig(str(tiny_llava_dir), device="cpu")
+    tokenizer = load_tokenizer(config)
+    built = build_model(config, tokenizer)
+    assert isinstance(built, BuiltModel)
+    assert type(built.model).__name__ == "LlavaForConditionalGeneration" and not built.model.training
+    assert type(built.processor).__name__ == "LlavaMultiModalProcessor" and built.pipeline is None
+    assert built.processor.info.get_tokenizer() is tokenizer
+    renderer, image_text = built.chat_renderer()
+    assert type(renderer).__name__ == "LlavaProcessor" and image_text is None
+
+
+def test_a_text_model_has_no_processor_and_renders_chat_with_its_tokenizer(tmp_path, tiny_llava_dir):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=600, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                 num_attention_heads=4)).save_pretrained(tmp_path)  # fmt: skip
+    AutoTokenizer.from_pretrained(tiny_llava_dir).save_pretrained(tmp_path)
+    config = ModelConfig(str(tmp_path), device="cpu")
+    tokenizer = load_tokenizer(config)
+    built = build_model(config, tokenizer)
+    assert type(built.model).__name__ == "LlamaForCausalLM"
+    assert built.processor is None and built.pipeline is None
+    assert built.chat_renderer() == (tokenizer, None)
+
+
+def test_unsupported_architectures_fail_even_in_pipeline_mode(tmp_path, tiny_llava_dir):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    config = ModelConfig(str(tmp_path), device="cpu", multimodal_config=MultiModalConfig(multimodal_pipeline="auto"))
+    with pytest.raises(ValueError, match="not supported"):
+        build_model(config, tokenizer=None)
