@@ -32,16 +32,16 @@ demo: $(STAMP)
 	$(VENV)/bin/tessera generate "Describe the image." --image examples/three_shapes.png
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_processor.py
+	$(PY) -m benchmarks.bench_processor
 
 bench-engine: $(STAMP)
-	$(PY) benchmarks/bench_throughput.py
-	$(PY) benchmarks/bench_throughput.py --dtype bfloat16 --hf-batches 8 16
-	$(PY) benchmarks/bench_prefix_cache.py
-	$(PY) benchmarks/bench_decode_roofline.py
+	$(PY) -m benchmarks.bench_throughput
+	$(PY) -m benchmarks.bench_throughput --dtype bfloat16 --hf-batches 8 16
+	$(PY) -m benchmarks.bench_prefix_cache
+	$(PY) -m benchmarks.bench_decode_roofline
 
 bench-serve: $(STAMP)
-	$(PY) benchmarks/bench_serve.py
+	$(PY) -m benchmarks.bench_serve
 
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info

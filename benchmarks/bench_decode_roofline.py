@@ -2,22 +2,18 @@
 speed is bounded by memory bandwidth. Prints decode tokens/s x weight bytes / measured read
 bandwidth (goal >= 0.6).
 
-    .venv/bin/python benchmarks/bench_decode_roofline.py [--tokens 64]
+    .venv/bin/python -m benchmarks.bench_decode_roofline [--tokens 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_model import bench_model  # noqa: E402
-from tessera import LLM, SamplingParams  # noqa: E402
+from benchmarks.bench_model import bench_model
+from tessera import LLM, SamplingParams
 
 
 def read_bandwidth(num_bytes: int = 1 << 30) -> float:

@@ -3,7 +3,7 @@ others. For each input, a well-formed chat request is sent alongside; the table 
 request's status and time, the well-formed request's latency as a ratio to its latency alone, and
 how much the server's RSS grew.
 
-python benchmarks/bench_hostile.py [--rounds 3]
+python -m benchmarks.bench_hostile [--rounds 3]
 """
 
 from __future__ import annotations
@@ -13,24 +13,21 @@ import base64
 import concurrent.futures
 import http.server
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from tessera import DEMO_MODEL
+from tessera.engine.async_engine import AsyncEngine
+from tessera.engine.llm_engine import LLMEngine
+from tessera.entrypoints.openai.api_server import ServerThread, build_app
+from tessera.multimodal.media import MediaPolicy
+from tessera.testing import png_bytes
+from tessera.testing.server import rss_bytes
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path[1:1] = [str(REPO / "tools"), str(REPO / "examples")]  # what the test module imports
-
-from tessera import DEMO_MODEL  # noqa: E402
-from tessera.engine.async_engine import AsyncEngine  # noqa: E402
-from tessera.engine.llm_engine import LLMEngine  # noqa: E402
-from tessera.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
-from tessera.multimodal.media import MediaPolicy  # noqa: E402
-from tests.entrypoints.openai.test_hostile_inputs import png_bytes, rss_bytes  # noqa: E402
-
 IMAGE = "data:image/png;base64," + base64.b64encode((REPO / "examples" / "three_shapes.png").read_bytes()).decode()
 
 

@@ -6,13 +6,10 @@ CLIP ViT-B/16 at 224 px (196 image tokens) + a SmolLM2-135M-shaped Llama (hidden
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.fixtures
-
-from tests.fixtures import build_tiny_llava  # noqa: E402
+from tessera.testing import build_tiny_llava
 
 VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
 TEXT = dict(

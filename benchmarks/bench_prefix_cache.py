@@ -4,23 +4,19 @@ The warm request finds its prompt's KV blocks (tokens and image) already compute
 the vision encoder and all but the last prompt token. A third request with the same text and a
 different image shows that only identical images share blocks (it is cold again).
 
-    .venv/bin/python benchmarks/bench_prefix_cache.py [--repeats 5]
+    .venv/bin/python -m benchmarks.bench_prefix_cache [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_model import bench_model  # noqa: E402
-from tessera import LLM, SamplingParams  # noqa: E402
+from benchmarks.bench_model import bench_model
+from tessera import LLM, SamplingParams
 
 PROMPT = "USER: <image>\nDescribe this picture in detail, please. ASSISTANT:"
 

@@ -6,14 +6,13 @@ all alike, while each block runs warm, as a busy server does); the ratios are wh
 last line times the content hashing of the 4 images alone: the floor of any cached call, since
 every request's images must be hashed to be looked up.
 
-    .venv/bin/python benchmarks/bench_processor.py [--rounds 10] [--block 5]
+    .venv/bin/python -m benchmarks.bench_processor [--rounds 10] [--block 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,10 +20,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.fixtures
-
-from tessera.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
-from tests.fixtures import build_llava_15_shaped_processor_folder  # noqa: E402
+from tessera.multimodal import MULTIMODAL_REGISTRY
+from tessera.testing import build_llava_15_shaped_processor_folder
 
 PROMPT = "USER: <image>\n<image>\n<image>\n<image>\nWhat differs between these pictures? ASSISTANT:"
 

@@ -8,7 +8,7 @@ and prints requests/s, output tokens/s and TTFT p50/p99 of each, with the ratio.
 must complete with the expected number of tokens, and all KV blocks must be free afterwards.
 Bounded: --requests requests, --concurrency clients, --deadline seconds per phase; loopback only.
 
-python benchmarks/bench_serve.py [--requests 48] [--concurrency 16] [--max-tokens 32]
+python -m benchmarks.bench_serve [--requests 48] [--concurrency 16] [--max-tokens 32]
 """
 
 from __future__ import annotations
@@ -23,20 +23,15 @@ import re
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
-import demo_data  # noqa: E402
-
-from tessera import DEMO_MODEL  # noqa: E402
-from tessera.engine.async_engine import AsyncEngine  # noqa: E402
-from tessera.engine.llm_engine import LLMEngine  # noqa: E402
-from tessera.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
+from tessera import DEMO_MODEL
+from tessera.engine.async_engine import AsyncEngine
+from tessera.engine.llm_engine import LLMEngine
+from tessera.entrypoints.openai.api_server import ServerThread, build_app
+from tools import demo_data
 
 
 def make_requests(n: int, seed: int, max_tokens: int) -> list[dict]:

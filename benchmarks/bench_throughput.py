@@ -6,14 +6,13 @@ sequentially and batched (left padding) at batch 8 and 16. Prints output tokens/
 HF's best, and the fraction of the compute roofline: the workload's FLOPs (vision tower, prefill,
 decode) over the matmul FLOP/s measured here in the same dtype.
 
-    .venv/bin/python benchmarks/bench_throughput.py [--dtype float32|bfloat16] [--hf-batches 1 8 16]
+    .venv/bin/python -m benchmarks.bench_throughput [--dtype float32|bfloat16] [--hf-batches 1 8 16]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
 from pathlib import Path
 
@@ -21,10 +20,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.bench_model import bench_model  # noqa: E402
-from tessera import LLM, SamplingParams  # noqa: E402
+from benchmarks.bench_model import bench_model
+from tessera import LLM, SamplingParams
 
 NUM_REQUESTS, OUTPUT_TOKENS = 16, 128
 

@@ -1,6 +1,6 @@
 """Draw the example images in this folder (scenes like the demo model's training set, at 256x256).
 
-python examples/make_example_images.py   # rewrites examples/*.png
+python -m examples.make_example_images   # rewrites examples/*.png
 
 Each scene is given explicitly, so the right answers to every question follow from SCENES (the tests ask the
 bundled model about these images and derive the expected answers from here, through tools/demo_data.py).
@@ -9,12 +9,11 @@ bundled model about these images and derive the expected answers from here, thro
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
+from tools import demo_data
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tools"))
-import demo_data  # noqa: E402
 
 SIZE = 256
 # Centres and half-sizes are fractions of the image size; each respects demo_data's margins (checked below).

@@ -2,21 +2,20 @@
 
 Builds a tiny LLaVA checkpoint offline (random weights: generation comes in a later release),
 draws a picture, and prints the prompt tokens with the image placeholder ranges.
+
+    python -m examples.process_image_prompt   # from the repository root
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from itertools import groupby
 from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.fixtures
-
-from tessera.multimodal import MULTIMODAL_REGISTRY  # noqa: E402
-from tests.fixtures import build_tiny_llava  # noqa: E402
+from tessera.multimodal import MULTIMODAL_REGISTRY
+from tessera.testing import build_tiny_llava
 
 
 def draw_scene() -> Image.Image:

@@ -1,14 +1,6 @@
-import sys
-from pathlib import Path
-
 import pytest
 
-from tests.fixtures import build_tiny_fuyu, build_tiny_llava
-
-# The demo scene generator (tools/demo_data.py) and the example scenes (examples/make_example_images.py)
-# give the expected answers of the demo-model tests.
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tools"), str(REPO / "examples")]
+from tessera.testing import build_tiny_fuyu, build_tiny_llava
 
 
 @pytest.fixture(scope="session")

@@ -9,12 +9,12 @@ import io
 from collections import Counter
 from pathlib import Path
 
-import demo_data
-import make_example_images
 import pytest
 
+from examples import make_example_images
 from tessera import DEMO_MODEL, LLM, SamplingParams
 from tessera.entrypoints.cli import main as cli_main
+from tools import demo_data
 
 REPO = Path(__file__).resolve().parents[1]
 

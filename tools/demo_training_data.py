@@ -5,8 +5,6 @@ one image into one sequence (see tools/train_demo_model.py)."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -14,8 +12,7 @@ from PIL import Image, ImageDraw
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import demo_data  # noqa: E402
+from tools import demo_data
 
 # LLaVA-1.5 conversation format. A user turn renders as "USER: <image>\n{text} ", an assistant turn as
 # "ASSISTANT: {text}</s>", and add_generation_prompt appends "ASSISTANT:". So one image question renders as
@@ -107,7 +104,7 @@ def make_scene_all_questions(rng: random.Random, size: int, shapes: list[dict]):
 
 
 def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on `texts`, shaped like llava-hf/llava-1.5's tokenizer (see tests/fixtures)."""
+    """Byte-level BPE trained on `texts`, shaped like llava-hf/llava-1.5's tokenizer (see tessera/testing)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -9,7 +9,7 @@ also answered with Hugging Face transformers' greedy ``generate`` and compared w
 Exit status 0 when the goals are met (overall >= 95%, every kind >= 90%, HF agrees on every sampled
 answer), 1 otherwise.
 
-Usage: python tools/eval_demo_model.py [MODEL_FOLDER] [-n 500] [--seed 12345] [--hf-sample 20]
+Usage: python -m tools.eval_demo_model [MODEL_FOLDER] [-n 500] [--seed 12345] [--hf-sample 20]
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import demo_data  # noqa: E402
+from tessera import LLM, SamplingParams
+from tools import demo_data
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from tessera import LLM, SamplingParams  # noqa: E402
 
 GOAL_OVERALL, GOAL_PER_KIND = 0.95, 0.90
 

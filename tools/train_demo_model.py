@@ -31,7 +31,7 @@ itself only, and its position ids continue from the prefix as if it were alone, 
 computed exactly as the single-turn prompt it stands for, while the vision tower and the image tokens run
 once per image instead of once per question. (``--check`` verifies this against HF's own forward.)
 
-Usage: python tools/train_demo_model.py [--out tessera/demo_model] [--steps N] ...
+Usage: python -m tools.train_demo_model [--out tessera/demo_model] [--steps N] ...
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ import json
 import math
 import random
 import shutil
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -60,8 +59,7 @@ from transformers import (
 )
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo_training_data import (  # noqa: E402
+from tools.demo_training_data import (
     AUX_CLASSES,
     CHAT_TEMPLATE,
     Encoder,

@@ -12,13 +12,15 @@ import pytest
 import torch
 from transformers import AutoProcessor, BatchFeature, LlavaProcessor
 
+from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal import context as context_module
 from tessera.multimodal.context import split_mm_kwargs
-from tests.multimodal.test_processing import make, random_images
+from tessera.testing import random_images
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
-IMAGE_SIZE, PATCH_SIZE = 32, 8  # the tiny LLaVA's CLIP geometry (tests/fixtures/checkpoints.py)
+IMAGE_SIZE, PATCH_SIZE = 32, 8  # the tiny LLaVA's CLIP geometry (tessera/testing/checkpoints.py)
 LOGGER = "tessera.multimodal.context"
+make = MULTIMODAL_REGISTRY.create_processor
 
 
 def context(folder, **config_kwargs):

@@ -10,10 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
+from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.hasher import MultiModalHasher
-from tests.multimodal.test_processing import make, random_images
+from tessera.testing import random_images
 
 PROMPT = "USER: <image>\nWhat is this? <image>\nAnd this? ASSISTANT:"
+make = MULTIMODAL_REGISTRY.create_processor
 
 
 def with_image_id(image: Image.Image, value: object) -> Image.Image:

@@ -11,20 +11,8 @@ from transformers import AutoProcessor
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import nested_tensors_equal
 from tessera.multimodal.prompt_updates import PromptIndexTargets, PromptInsertion, PromptReplacement
-
-LLAVA_PROMPTS = {
-    0: "USER: What is in the picture? ASSISTANT:",
-    1: "USER: <image>\nWhat colour is the circle? ASSISTANT:",
-    3: "USER: <image>\n<image> and <image>\nCompare them. ASSISTANT:",
-}
-
-
-def random_images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Image.Image]:
-    rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
-
-
-SIZES = [(60, 40), (32, 32), (50, 100)]  # (width, height)
+from tessera.testing import IMAGE_SIZES as SIZES
+from tessera.testing import LLAVA_PROMPTS, build_tiny_llava, random_images
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +62,6 @@ def test_llava_text_prompt_matches_hf(tiny_llava_dir, llava_hf, num_images):
 
 @pytest.mark.parametrize("strategy", ["default", "full"])
 def test_llava_placeholders_cover_each_run_of_image_tokens(tmp_path, strategy):
-    from tests.fixtures import build_tiny_llava
-
     folder = build_tiny_llava(tmp_path / strategy, vision_feature_select_strategy=strategy)
     processor = make(folder)
     image_token_id = processor.info.get_hf_config().image_token_index

@@ -19,7 +19,7 @@ from tessera.multimodal.prompt_updates import (
     TokenCodec,
     UpdateMode,
 )
-from tests.fixtures import build_tokenizer
+from tessera.testing import build_tokenizer
 
 IMG = 512  # "<image>" in the llava fixture tokenizer
 IM, MAGE, COLON = 43, 288, 28  # "Image:" encodes to these three tokens

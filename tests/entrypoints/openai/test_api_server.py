@@ -9,16 +9,19 @@ import functools
 import http.server
 import io
 import threading
+from pathlib import Path
 
-import demo_data
 import httpx
-import make_example_images
 import openai
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
+from examples import make_example_images
 from tessera import DEMO_MODEL
-from tests.entrypoints.conftest import API_KEY, MAX_IMAGES, REPO, data_url, metric, wait_until_idle
+from tessera.testing.server import API_KEY, MAX_IMAGES, data_url, metric, wait_until_idle
+from tools import demo_data
+
+REPO = Path(__file__).resolve().parents[3]
 
 IMAGE = REPO / "examples" / "three_shapes.png"
 SCENE = make_example_images.SCENES["three_shapes.png"]

@@ -6,22 +6,31 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import functools
 import http.server
 import io
 import socket
-import struct
 import threading
 import time
-import zlib
+from pathlib import Path
 
-import demo_data
 import httpx
-import make_example_images
 import pytest
 from PIL import Image
 
-from tests.entrypoints.conftest import API_KEY, FETCH_DEADLINE, REPO, data_url, metric, serve_demo, wait_until_idle
+from examples import make_example_images
+from tessera.testing import png_bytes
+from tessera.testing.server import (
+    API_KEY,
+    FETCH_DEADLINE,
+    data_url,
+    metric,
+    rss_bytes,
+    serve_demo,
+    wait_until_idle,
+)
+from tools import demo_data
+
+REPO = Path(__file__).resolve().parents[3]
 
 IMAGE = REPO / "examples" / "three_shapes.png"
 CAPTION = demo_data.describe(make_example_images.SCENES["three_shapes.png"])
@@ -58,25 +67,6 @@ def assert_json_error(response: httpx.Response, status: int, *fragments: str) ->
     for leak in ("Traceback", "BytesIO", " object at 0x", str(REPO)):
         assert leak not in error["message"]
     return error["message"]
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-
-
-@functools.cache
-def png_bytes(width: int, height: int) -> bytes:
-    """A valid 1-bit greyscale PNG of width x height, built by hand: a huge one costs little to
-    make (its rows compress to almost nothing) and a lot to decode."""
-    compressor, row = zlib.compressobj(9), b"\0" * (1 + -(-width // 8))  # filter byte + packed bits
-    pixels = b"".join(compressor.compress(row) for _ in range(height)) + compressor.flush()
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
 
 
 def png_url(data: bytes) -> str:

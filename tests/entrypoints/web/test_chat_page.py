@@ -4,12 +4,15 @@ image, ask the bundled model about it, see the streamed answer and the image in 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
-import demo_data
-import make_example_images
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, REPO
+from examples import make_example_images
+from tessera.testing.server import API_KEY
+from tools import demo_data
+
+REPO = Path(__file__).resolve().parents[3]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (make test installs it with apt)")

@@ -1,0 +1,17 @@
+"""What tests, benchmarks and examples share: tiny Hugging Face-format checkpoints built offline,
+seeded inputs, and helpers for a server under test. Not used by the engine itself."""
+
+from .checkpoints import build_llava_15_shaped_processor_folder, build_tiny_fuyu, build_tiny_llava
+from .inputs import IMAGE_SIZES, LLAVA_PROMPTS, png_bytes, random_images
+from .tokenizer import build_tokenizer
+
+__all__ = [
+    "IMAGE_SIZES",
+    "LLAVA_PROMPTS",
+    "build_llava_15_shaped_processor_folder",
+    "build_tiny_fuyu",
+    "build_tiny_llava",
+    "build_tokenizer",
+    "png_bytes",
+    "random_images",
+]
