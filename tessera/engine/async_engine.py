@@ -187,14 +187,14 @@ class AsyncEngine:
         except BaseException as e:  # the engine's own state is broken: fail every request, report death
             logger.exception("The engine thread stopped")
             self.dead = e
-            for stream in self._streams.values():
-                stream.put(EngineDeadError("The engine stopped after an internal error; the server must be restarted."))
-            self._streams.clear()
-            for callback in self.on_dead:
+            for callback in self.on_dead:  # first, so that whoever sees a stream fail sees them done
                 try:
                     callback(e)
                 except Exception:
                     logger.exception("An on_dead callback failed")
+            for stream in self._streams.values():
+                stream.put(EngineDeadError("The engine stopped after an internal error; the server must be restarted."))
+            self._streams.clear()
 
     def _drain_calls(self) -> None:
         while True:

@@ -11,9 +11,7 @@ from typing import Any, Optional, Union
 from ..config import CacheConfig, ModelConfig, MultiModalConfig, SchedulerConfig
 from ..errors import InputError
 from ..layers.kv_cache import kv_cache_bytes_per_block
-from ..models.loader import load_model
-from ..models.registry import ModelRegistry
-from ..multimodal import MULTIMODAL_REGISTRY
+from ..models.factory import build_model
 from ..multimodal.context import load_tokenizer
 from ..multimodal.profiling import MultiModalProfiler
 from ..outputs import RequestOutput
@@ -41,17 +39,8 @@ class LLMEngine:
         self.cache_config = cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config = scheduler_config or SchedulerConfig()
         self.tokenizer = load_tokenizer(model_config)
-        model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures)
-        self.processor = None
-        self.pipeline = None
-        if model_config.multimodal_config.uses_pipeline:  # a text model + a vision pipeline plugin
-            from ..pipelines.adapter import build_with_pipeline
-
-            self.pipeline, self.processor, self.model = build_with_pipeline(model_config, self.tokenizer)
-        else:
-            if MULTIMODAL_REGISTRY.get_factories(model_cls) is not None:
-                self.processor = MULTIMODAL_REGISTRY.create_processor(model_config, tokenizer=self.tokenizer)
-            self.model = load_model(model_config)
+        self.built = build_model(model_config, self.tokenizer)
+        self.model, self.processor, self.pipeline = self.built.model, self.built.processor, self.built.pipeline
 
         text_config = model_config.hf_config.get_text_config()
         self.max_model_len = scheduler_config.max_model_len or text_config.max_position_embeddings
@@ -116,15 +105,8 @@ class LLMEngine:
         return cls(model_config, CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]))
 
     def chat_renderer(self) -> tuple[Any, Optional[str]]:
-        """(what renders chat templates: the HF processor, else the tokenizer; the text an image
-        part becomes in pipeline mode, else None: the template places images itself)."""
-        if self.pipeline is not None:
-            from ..pipelines.adapter import IMAGE_MARKER
-
-            return self.tokenizer, IMAGE_MARKER
-        if self.processor is not None:
-            return self.processor.info.get_hf_processor(), None
-        return self.tokenizer, None
+        """(what renders chat templates, the text an image part becomes or None): see BuiltModel."""
+        return self.built.chat_renderer()
 
     # ---- requests -------------------------------------------------------------------------------
 

@@ -13,15 +13,13 @@ import io
 import logging
 import threading
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 from PIL import Image, ImageOps
 
 from ..errors import InputError, InputTooLargeError
-
-if TYPE_CHECKING:
-    from .media import MediaPolicy
+from .media_policy import MediaPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +32,6 @@ _open_lock = threading.Lock()
 
 
 def default_policy() -> MediaPolicy:
-    from .media import MediaPolicy  # (media.py imports this module)
-
     return MediaPolicy()
 
 

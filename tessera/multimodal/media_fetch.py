@@ -28,13 +28,11 @@ import math
 import socket
 import ssl
 import time
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 from urllib.parse import quote, urljoin, urlsplit
 
 from ..errors import InputError, InputTooLargeError
-
-if TYPE_CHECKING:
-    from .media import MediaPolicy
+from .media_policy import MediaPolicy, normalize_host
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +48,6 @@ Address = tuple[int, int, int, tuple]  # (family, type, proto, sockaddr) from ge
 
 class FetchFailed(Exception):
     """Why a fetch failed: for the server log, never for the client."""
-
-
-def normalize_host(host: str) -> str:
-    """A hostname as compared with the allowed domains: lower case, no trailing dot."""
-    return host.strip().lower().rstrip(".")
 
 
 def is_public_address(ip: IPAddress) -> bool:

@@ -32,6 +32,7 @@ class ProcessorFactories:
 class MultiModalRegistry:
     def __init__(self) -> None:
         self._processor_factories: dict[type, ProcessorFactories] = {}
+        self._resolve_model_cls: Optional[Callable[[list[str]], tuple[type, str]]] = None
 
     def register_processor(
         self,
@@ -56,10 +57,19 @@ class MultiModalRegistry:
                 return self._processor_factories[cls]
         return None
 
-    def supports_multimodal_inputs(self, model_config: ModelConfig) -> bool:
-        from ..models.registry import ModelRegistry
+    def set_model_resolver(self, resolve: Callable[[list[str]], tuple[type, str]]) -> None:
+        """How config.json's architectures become a model class: `tessera.models` installs
+        `ModelRegistry.resolve_model_cls` when it is imported (models sit above this package,
+        so the call goes that way round)."""
+        self._resolve_model_cls = resolve
 
-        model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures)
+    def _model_cls(self, model_config: ModelConfig) -> tuple[type, str]:
+        if self._resolve_model_cls is None:
+            raise RuntimeError("No model registry is installed; import tessera (or tessera.models) first.")
+        return self._resolve_model_cls(model_config.architectures)
+
+    def supports_multimodal_inputs(self, model_config: ModelConfig) -> bool:
+        model_cls, _ = self._model_cls(model_config)
         return self.get_factories(model_cls) is not None
 
     def create_processor(
@@ -73,8 +83,6 @@ class MultiModalRegistry:
         trust_remote_code: bool = False,
     ) -> BaseMultiModalProcessor:
         """The processor of the model in folder `model` (its config.json names the architecture)."""
-        from ..models.registry import ModelRegistry
-
         if isinstance(model, ModelConfig):
             model_config = model
         else:
@@ -84,7 +92,7 @@ class MultiModalRegistry:
                 mm_processor_cache_gb=mm_processor_cache_gb,
             )
             model_config = ModelConfig(str(model), trust_remote_code=trust_remote_code, multimodal_config=mm_config)
-        model_cls, arch = ModelRegistry.resolve_model_cls(model_config.architectures)
+        model_cls, arch = self._model_cls(model_config)
         factories = self.get_factories(model_cls)
         if factories is None:
             raise ValueError(
