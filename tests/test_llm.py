@@ -12,8 +12,7 @@ from transformers import AutoProcessor, LlamaConfig, LlamaForCausalLM
 from transformers import LlavaForConditionalGeneration as HFLlava
 
 from tessera import LLM, SamplingParams
-from tests.fixtures import build_tokenizer
-from tests.multimodal.test_processing import random_images
+from tessera.testing import build_tokenizer, random_images
 
 TEXT = "USER: What is this? ASSISTANT:"
 IMAGE_TEXT = "USER: <image>\nWhat is this? ASSISTANT:"
@@ -414,3 +413,41 @@ def test_chat_reads_local_files_in_any_format_pil_reads(llm, tmp_path):
         return llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0].outputs[0].token_ids
 
     assert ask(tiff) == ask(png)
+
+
+# ---- streaming: the same loop as generate ------------------------------------------------------------------
+
+
+def test_stream_yields_growing_outputs_ending_with_what_generate_gives(llm):
+    prompt = {
+        "prompt": "USER: <image>\nWhat is this? ASSISTANT:",
+        "multi_modal_data": {"image": random_images([(40, 30)], seed=8)},
+    }
+    outputs = list(llm.stream(prompt, greedy(6)))
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    token_counts = [len(o.outputs[0].token_ids) for o in outputs]
+    assert token_counts == sorted(token_counts) and token_counts[-1] == 6
+    (expected,) = llm.generate([prompt], greedy(6), use_tqdm=False)
+    assert outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert outputs[-1].outputs[0].text == expected.outputs[0].text
+
+
+def test_stopping_a_stream_early_aborts_its_request(llm):
+    stream = llm.stream("USER: Tell me a long story. ASSISTANT:", greedy(50))
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_a_model_without_a_chat_template_renders_the_last_message_plainly(tiny_fuyu_dir):
+    fuyu = make_llm(tiny_fuyu_dir)
+    image = random_images([(30, 20)], seed=9)[0]
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, "Hi"]}]
+    with pytest.raises(ValueError, match="no chat template"):
+        fuyu.render_chat(messages)
+    prompt = fuyu.render_chat(
+        [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "this?"}]}],
+        plain_fallback=True,
+    )
+    assert prompt == {"prompt": "What is this?"}
