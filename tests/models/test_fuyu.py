@@ -7,20 +7,32 @@ import torch
 from transformers import AutoProcessor
 from transformers import FuyuForCausalLM as HFFuyu
 
+from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.models.loader import load_model
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tests.models.runner import Runner, Sequence
-from tests.multimodal.test_processing import random_images
+from tessera.testing import random_images
+from tessera.testing.generation import greedy_logprobs
 
 PROMPT = "What colour is the square?"
 SIZES = [(60, 40), (48, 48), (20, 90)]  # (width, height): cropped, exact and downscaled grids
 
 
+def engine(folder, **options) -> LLM:
+    """The engine on the CPU with 4-token blocks (every prompt spans several) and no prefix caching
+    (every prompt is computed)."""
+    defaults = {"device": "cpu", "block_size": 4, "kv_cache_memory": "16MiB", "enable_prefix_caching": False}
+    return LLM(str(folder), **{**defaults, **options})
+
+
+def request(prompt, image):
+    return prompt if image is None else {"prompt": prompt, "multi_modal_data": {"image": image}}
+
+
 @pytest.fixture(scope="module")
 def fuyu(tiny_fuyu_dir):
     return (
-        load_model(ModelConfig(str(tiny_fuyu_dir), device="cpu")),
+        engine(tiny_fuyu_dir),
         HFFuyu.from_pretrained(tiny_fuyu_dir, attn_implementation="eager").eval(),
         MULTIMODAL_REGISTRY.create_processor(tiny_fuyu_dir),
         AutoProcessor.from_pretrained(tiny_fuyu_dir),
@@ -35,49 +47,64 @@ def hf_inputs(hf_processor, processor, image):
 
 @pytest.mark.parametrize("size", [None, SIZES[0]], ids=["text-only", "one-image"])
 def test_prefill_logits_match_hf(fuyu, size):
-    model, hf_model, processor, hf_processor = fuyu
+    """The distribution after the prompt: from the last prompt position's logits, the only ones the
+    engine computes."""
+    llm, hf_model, processor, hf_processor = fuyu
     image = random_images([size])[0] if size else None
     with torch.no_grad():
-        expected = hf_model(**hf_inputs(hf_processor, processor, image)).logits[0]
-    ours = Runner(model).prefill([Sequence(processor.apply(PROMPT, {"image": image}))])[0]
-    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+        expected = hf_model(**hf_inputs(hf_processor, processor, image)).logits[0, -1].log_softmax(-1)
+    ((_, ours),) = greedy_logprobs(llm, [request(PROMPT, image)], 1, hf_model.config.get_text_config().vocab_size)
+    torch.testing.assert_close(ours[0], expected, atol=1e-4, rtol=0)
 
 
 def test_three_images_of_different_sizes_in_one_batch_match_hf(fuyu):
-    """Fuyu takes one image per prompt (as HF's processor and vLLM): three prompts, one forward."""
-    model, hf_model, processor, hf_processor = fuyu
+    """Fuyu takes one image per prompt (as HF's processor and vLLM): three prompts, one step."""
+    llm, hf_model, processor, hf_processor = fuyu
     images = random_images(SIZES, seed=5)
-    ours = Runner(model).prefill([Sequence(processor.apply(PROMPT, {"image": image})) for image in images])
-    for image, logits in zip(images, ours):
+    vocab_size = hf_model.config.get_text_config().vocab_size
+    ours = greedy_logprobs(llm, [request(PROMPT, image) for image in images], 1, vocab_size)
+    for image, (_, logprobs) in zip(images, ours):
         with torch.no_grad():
-            expected = hf_model(**hf_inputs(hf_processor, processor, image)).logits[0]
-        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+            expected = hf_model(**hf_inputs(hf_processor, processor, image)).logits[0, -1].log_softmax(-1)
+        torch.testing.assert_close(logprobs[0], expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("size", [None, SIZES[2]], ids=["text-only", "one-image"])
 def test_greedy_tokens_match_hf_generate(fuyu, size):
-    model, hf_model, processor, hf_processor = fuyu
+    llm, hf_model, processor, hf_processor = fuyu
     image = random_images([size], seed=9)[0] if size else None
     inputs = hf_inputs(hf_processor, processor, image)
     with torch.no_grad():
         hf_out = hf_model.generate(**inputs, max_new_tokens=16, do_sample=False, eos_token_id=None)
     expected = hf_out[0, inputs["input_ids"].shape[1] :].tolist()
     assert len(expected) == 16
-    assert Runner(model).greedy(Sequence(processor.apply(PROMPT, {"image": image})), 16) == expected
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    (output,) = llm.generate(request(PROMPT, image), params, use_tqdm=False)
+    assert output.outputs[0].token_ids == expected
 
 
-def test_paged_decode_equals_recomputing_the_sequence(fuyu):
-    model, _, processor, _ = fuyu
-    inputs = processor.apply(PROMPT, {"image": random_images([(33, 47)])})
-    tokens, decode_logits = Runner(model, block_size=5).greedy_with_logits(Sequence(inputs), 8)
-    full = Sequence(inputs)
-    full.token_ids += tokens[:-1]
-    recomputed = Runner(model).prefill([full])[0]
-    torch.testing.assert_close(decode_logits, recomputed[len(inputs["prompt_token_ids"]) :], atol=1e-5, rtol=0)
+def test_paged_decode_equals_recomputing_the_sequence(fuyu, tiny_fuyu_dir):
+    _, hf_model, processor, hf_processor = fuyu
+    vocab_size = hf_model.config.get_text_config().vocab_size
+    (image,) = random_images([(33, 47)])
+    prompt = request(PROMPT, image)
+    ((tokens, logprobs),) = greedy_logprobs(engine(tiny_fuyu_dir, block_size=5), [prompt], 8, vocab_size)
+    ((_, one_block),) = greedy_logprobs(engine(tiny_fuyu_dir, block_size=128), [prompt], 8, vocab_size)
+    torch.testing.assert_close(logprobs, one_block, atol=1e-5, rtol=0)
+
+    # Recomputed: the prompt and every output token but the last in one forward (HF, no KV cache).
+    inputs = dict(hf_inputs(hf_processor, processor, image))
+    prompt_len = inputs["input_ids"].shape[1]
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([tokens[:-1]])], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    with torch.no_grad():
+        recomputed = hf_model(**inputs).logits[0, prompt_len - 1 :].log_softmax(-1)
+    torch.testing.assert_close(logprobs, recomputed, atol=1e-4, rtol=0)
 
 
 def test_merging_by_token_id_needs_the_image_token_id(fuyu, tiny_fuyu_dir):
-    model, _, processor, _ = fuyu
+    _, _, processor, _ = fuyu
+    model = load_model(ModelConfig(str(tiny_fuyu_dir), device="cpu"))
     inputs = processor.apply(PROMPT, {"image": random_images([(16, 16)])})
     ids = torch.tensor(inputs["prompt_token_ids"])
     embeds = model.get_multimodal_embeddings(**inputs["mm_kwargs"])
@@ -95,14 +122,18 @@ def test_merging_by_token_id_needs_the_image_token_id(fuyu, tiny_fuyu_dir):
 
 
 def test_batch_of_four_equals_each_alone(fuyu):
-    model, _, processor, _ = fuyu
+    """The four prompts are prefilled in one step (they fit its token budget), then decoded together."""
+    llm, hf_model, _, _ = fuyu
     requests = [
         ("Hi", None),
         (PROMPT, (60, 40)),
         ("Where is the red circle in this picture?", (20, 90)),
         ("Count.", None),
     ]
-    inputs = [processor.apply(text, {"image": random_images([size])[0] if size else None}) for text, size in requests]
-    together = Runner(model).prefill([Sequence(x) for x in inputs])
-    for x, batched in zip(inputs, together):
-        torch.testing.assert_close(batched, Runner(model).prefill([Sequence(x)])[0], atol=1e-5, rtol=0)
+    prompts = [request(text, random_images([size])[0] if size else None) for text, size in requests]
+    vocab_size = hf_model.config.get_text_config().vocab_size
+    together = greedy_logprobs(llm, prompts, 4, vocab_size)
+    for prompt, (tokens, logprobs) in zip(prompts, together):
+        ((alone_tokens, alone_logprobs),) = greedy_logprobs(llm, [prompt], 4, vocab_size)
+        assert tokens == alone_tokens
+        torch.testing.assert_close(logprobs, alone_logprobs, atol=1e-5, rtol=0)

@@ -7,42 +7,53 @@ import torch
 from transformers import AutoProcessor
 from transformers import LlavaForConditionalGeneration as HFLlava
 
+from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.models.loader import load_model
-from tessera.multimodal import MULTIMODAL_REGISTRY
-from tests.models.runner import Runner, Sequence
-from tests.multimodal.test_processing import LLAVA_PROMPTS, SIZES, random_images
+from tessera.testing import IMAGE_SIZES as SIZES
+from tessera.testing import LLAVA_PROMPTS, build_tiny_llava, random_images
+from tessera.testing.generation import greedy_logprobs
+
+
+def engine(folder, **options) -> LLM:
+    """The engine on the CPU with 4-token blocks (every prompt spans several) and no prefix caching
+    (every prompt is computed)."""
+    defaults = {"device": "cpu", "block_size": 4, "kv_cache_memory": "16MiB", "enable_prefix_caching": False}
+    return LLM(str(folder), **{**defaults, **options})
 
 
 @pytest.fixture(scope="module")
 def llava(tiny_llava_dir):
     hf_model = HFLlava.from_pretrained(tiny_llava_dir, attn_implementation="eager").eval()
-    return (
-        load_model(ModelConfig(str(tiny_llava_dir), device="cpu")),
-        hf_model,
-        MULTIMODAL_REGISTRY.create_processor(tiny_llava_dir),
-        AutoProcessor.from_pretrained(tiny_llava_dir),
-    )
+    return engine(tiny_llava_dir), hf_model, AutoProcessor.from_pretrained(tiny_llava_dir)
 
 
-def prefill_logits(model, processor, prompt, images):
-    inputs = processor.apply(prompt, {"image": images})
-    return Runner(model).prefill([Sequence(inputs)])[0]
+def request(prompt, images):
+    return {"prompt": prompt, "multi_modal_data": {"image": images}} if images else prompt
+
+
+def next_token_logprobs(llm, hf_model, prompt, images):
+    """The engine's log-probabilities after the prompt ([vocab]): from the last prompt position's
+    logits, the only ones the engine computes."""
+    vocab_size = hf_model.config.get_text_config().vocab_size
+    ((_, logprobs),) = greedy_logprobs(llm, [request(prompt, images)], 1, vocab_size)
+    return logprobs[0]
 
 
 @pytest.mark.parametrize("num_images", [0, 1, 3])
 def test_prefill_logits_match_hf(llava, num_images):
-    model, hf_model, processor, hf_processor = llava
+    llm, hf_model, hf_processor = llava
     images = random_images(SIZES[:num_images])
     prompt = LLAVA_PROMPTS[num_images]
     with torch.no_grad():
-        expected = hf_model(**hf_processor(text=prompt, images=images or None, return_tensors="pt")).logits[0]
-    torch.testing.assert_close(prefill_logits(model, processor, prompt, images), expected, atol=1e-4, rtol=0)
+        logits = hf_model(**hf_processor(text=prompt, images=images or None, return_tensors="pt")).logits[0]
+    expected = logits[-1].log_softmax(-1)
+    torch.testing.assert_close(next_token_logprobs(llm, hf_model, prompt, images), expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("num_images", [0, 1, 3])
 def test_greedy_tokens_match_hf_generate(llava, num_images):
-    model, hf_model, processor, hf_processor = llava
+    llm, hf_model, hf_processor = llava
     images = random_images(SIZES[:num_images], seed=7)
     prompt = LLAVA_PROMPTS[num_images]
     hf_inputs = hf_processor(text=prompt, images=images or None, return_tensors="pt")
@@ -50,50 +61,59 @@ def test_greedy_tokens_match_hf_generate(llava, num_images):
         hf_out = hf_model.generate(**hf_inputs, max_new_tokens=16, do_sample=False, eos_token_id=None)
     expected = hf_out[0, hf_inputs["input_ids"].shape[1] :].tolist()
     assert len(expected) == 16
-    assert Runner(model).greedy(Sequence(processor.apply(prompt, {"image": images})), 16) == expected
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    (output,) = llm.generate(request(prompt, images), params, use_tqdm=False)
+    assert output.outputs[0].token_ids == expected
 
 
 def test_batch_of_four_equals_each_alone(llava):
-    model, _, processor, _ = llava
+    """The four prompts are prefilled in one step (they fit its token budget), then decoded together."""
+    llm, hf_model, _ = llava
+    vocab_size = hf_model.config.get_text_config().vocab_size
     requests = [
         ("USER: Hi there, who are you? ASSISTANT:", []),
         (LLAVA_PROMPTS[1], random_images([(70, 20)], seed=1)),
         ("USER: <image> and <image>? ASSISTANT:", random_images([(30, 30), (64, 48)], seed=2)),
         (LLAVA_PROMPTS[3], random_images(SIZES, seed=3)),
     ]
-    inputs = [processor.apply(prompt, {"image": images}) for prompt, images in requests]
-    together = Runner(model).prefill([Sequence(x) for x in inputs])
-    for x, batched in zip(inputs, together):
-        torch.testing.assert_close(batched, Runner(model).prefill([Sequence(x)])[0], atol=1e-5, rtol=0)
+    prompts = [request(prompt, images) for prompt, images in requests]
+    together = greedy_logprobs(llm, prompts, 4, vocab_size)
+    for prompt, (tokens, logprobs) in zip(prompts, together):
+        ((alone_tokens, alone_logprobs),) = greedy_logprobs(llm, [prompt], 4, vocab_size)
+        assert tokens == alone_tokens
+        torch.testing.assert_close(logprobs, alone_logprobs, atol=1e-5, rtol=0)
 
 
-def test_paged_decode_equals_recomputing_the_sequence(llava):
-    model, _, processor, _ = llava
-    inputs = processor.apply(LLAVA_PROMPTS[1], {"image": random_images([(40, 40)])})
+def test_paged_decode_equals_recomputing_the_sequence(llava, tiny_llava_dir):
+    _, hf_model, hf_processor = llava
+    vocab_size = hf_model.config.get_text_config().vocab_size
+    images = random_images([(40, 40)])
+    prompt = request(LLAVA_PROMPTS[1], images)
     # Block size 3 does not divide the prompt: blocks end mid-placeholder and mid-decode.
-    tokens, decode_logits = Runner(model, block_size=3).greedy_with_logits(Sequence(inputs), 10)
+    ((tokens, logprobs),) = greedy_logprobs(engine(tiny_llava_dir, block_size=3), [prompt], 10, vocab_size)
+    ((_, one_block),) = greedy_logprobs(engine(tiny_llava_dir, block_size=64), [prompt], 10, vocab_size)
+    torch.testing.assert_close(logprobs, one_block, atol=1e-5, rtol=0)
 
-    full = Sequence(inputs)
-    full.token_ids += tokens[:-1]
-    recomputed = Runner(model).prefill([full])[0]
-    prompt_len = len(inputs["prompt_token_ids"])
-    torch.testing.assert_close(decode_logits, recomputed[prompt_len:], atol=1e-5, rtol=0)
+    # Recomputed: the prompt and every output token but the last in one forward (HF, no KV cache).
+    inputs = hf_processor(text=LLAVA_PROMPTS[1], images=images, return_tensors="pt")
+    prompt_len = inputs["input_ids"].shape[1]
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([tokens[:-1]])], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    with torch.no_grad():
+        recomputed = hf_model(**inputs).logits[0, prompt_len - 1 :].log_softmax(-1)
+    torch.testing.assert_close(logprobs, recomputed, atol=1e-4, rtol=0)
 
 
 def test_full_select_strategy_matches_hf(tmp_path):
-    from tests.fixtures import build_tiny_llava
-
     folder = build_tiny_llava(tmp_path / "full", vision_feature_select_strategy="full")
-    model = load_model(ModelConfig(str(folder), device="cpu"))
     hf_model = HFLlava.from_pretrained(folder, attn_implementation="eager").eval()
     images = random_images(SIZES[:2])
     prompt = "USER: <image><image> Same? ASSISTANT:"
+    hf_inputs = AutoProcessor.from_pretrained(folder)(text=prompt, images=images, return_tensors="pt")
     with torch.no_grad():
-        expected = hf_model(
-            **AutoProcessor.from_pretrained(folder)(text=prompt, images=images, return_tensors="pt")
-        ).logits[0]
-    processor = MULTIMODAL_REGISTRY.create_processor(folder)
-    torch.testing.assert_close(prefill_logits(model, processor, prompt, images), expected, atol=1e-4, rtol=0)
+        expected = hf_model(**hf_inputs).logits[0, -1].log_softmax(-1)
+    ours = next_token_logprobs(engine(folder), hf_model, prompt, images)
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
 
 
 def test_feature_layer_list_concatenates_the_layers(tmp_path):
@@ -101,8 +121,6 @@ def test_feature_layer_list_concatenates_the_layers(tmp_path):
     states concatenated and projected by hand (as later transformers and vLLM do)."""
     from safetensors.torch import load_file, save_file
     from transformers import CLIPVisionModel as HFCLIPVisionModel
-
-    from tests.fixtures import build_tiny_llava
 
     layers = [-2, -1]
     folder = build_tiny_llava(tmp_path / "layers", vision_feature_layer=layers)
@@ -136,13 +154,12 @@ def test_feature_layer_list_concatenates_the_layers(tmp_path):
     "part_dtypes", [{"vision_dtype": "bfloat16"}, {"vision_dtype": "bfloat16", "projector_dtype": "float16"}]
 )
 def test_vision_and_projector_run_in_their_own_dtype(llava, tiny_llava_dir, part_dtypes):
-    _, hf_model, processor, hf_processor = llava
+    _, hf_model, hf_processor = llava
     model = load_model(ModelConfig(str(tiny_llava_dir), device="cpu", **part_dtypes))
     assert next(model.vision_tower.parameters()).dtype == torch.bfloat16
     assert next(model.language_model.parameters()).dtype == torch.float32
     images = random_images(SIZES[:1])
     with torch.no_grad():
-        expected = hf_model(**hf_processor(text=LLAVA_PROMPTS[1], images=images, return_tensors="pt")).logits[0]
-    ours = prefill_logits(model, processor, LLAVA_PROMPTS[1], images)
-    assert ours.dtype == torch.float32
-    torch.testing.assert_close(ours, expected, atol=2e-2, rtol=0)  # bf16 vision: ~3 significant digits
+        logits = hf_model(**hf_processor(text=LLAVA_PROMPTS[1], images=images, return_tensors="pt")).logits[0]
+    ours = next_token_logprobs(engine(tiny_llava_dir, **part_dtypes), hf_model, LLAVA_PROMPTS[1], images)
+    torch.testing.assert_close(ours, logits[-1].log_softmax(-1), atol=2e-2, rtol=0)  # bf16 vision: ~3 digits
