@@ -25,6 +25,7 @@ browser:
 # The layer tests run again as on an AVX2-only CPU (AMD Zen 3: no AVX-512, no bfloat16 oneDNN
 # packing), so a kernel choice that breaks there fails on newer x86 CPUs too (~7 s).
 test: $(STAMP) browser
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/layers
 
