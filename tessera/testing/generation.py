@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from tessera.sampling_params import SamplingParams
+
 
 def greedy_logprobs(
     llm: Any, prompts: Sequence[Any], max_tokens: int, vocab_size: int
@@ -15,8 +17,6 @@ def greedy_logprobs(
     """Per prompt (all sent in one `llm.generate` call, so the engine batches them): the greedy
     token ids (end-of-sequence ignored) and the log-probabilities of every token at each step,
     [max_tokens, vocab_size]; row 0 is the distribution after the prompt's last token."""
-    from tessera import SamplingParams
-
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=vocab_size)
     results = []
     for output in llm.generate(list(prompts), params, use_tqdm=False):
