@@ -12,7 +12,7 @@ from transformers import AutoProcessor, LlamaConfig, LlamaForCausalLM
 from transformers import LlavaForConditionalGeneration as HFLlava
 
 from tessera import LLM, SamplingParams
-from tessera.testing import build_tokenizer, random_images
+from tessera.testing import CHATML_TEMPLATE, build_tokenizer, random_images
 
 TEXT = "USER: What is this? ASSISTANT:"
 IMAGE_TEXT = "USER: <image>\nWhat is this? ASSISTANT:"
@@ -451,3 +451,18 @@ def test_a_model_without_a_chat_template_renders_the_last_message_plainly(tiny_f
         plain_fallback=True,
     )
     assert prompt == {"prompt": "What is this?"}
+
+
+def test_chat_with_a_chatml_template_renders_content_as_a_string(llama, tokenizer):
+    """A text model whose template concatenates message content (SmolLM2, Qwen2.5): LLM.chat used
+    to crash with "can only concatenate str (not list) to str"; now it answers what generate does
+    on the prompt HF renders from string messages."""
+    chatml = CHATML_TEMPLATE
+    messages = [{"role": "user", "content": [{"type": "text", "text": "How many squares are there?"}]}]
+    (chatted,) = llama.chat(messages, greedy(6), use_tqdm=False, chat_template=chatml)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "How many squares are there?"}], chat_template=chatml, add_generation_prompt=True,
+        tokenize=False,
+    )  # fmt: skip
+    (generated,) = llama.generate([rendered], greedy(6), use_tqdm=False)
+    assert chatted.prompt == rendered and chatted.outputs[0].token_ids == generated.outputs[0].token_ids

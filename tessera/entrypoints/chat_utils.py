@@ -5,8 +5,11 @@ restricts local files and fetches http(s) with limits)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Literal, Optional
+
+import jinja2
 
 from ..errors import InputError
 
@@ -100,14 +103,62 @@ def _kind(value: Any) -> str:
     )
 
 
+ContentFormat = Literal["auto", "string", "openai"]
+
+
+@functools.lru_cache(maxsize=32)
+def detect_content_format(chat_template: str) -> Literal["string", "openai"]:
+    """How a chat template reads message content (vLLM's --chat-template-content-format auto):
+    "openai" if it loops over `message['content']` (a list of parts, as LLaVA's does), else
+    "string" (ChatML-style templates such as SmolLM2's and Qwen2.5's concatenate it)."""
+    try:
+        tree = jinja2.Environment().parse(chat_template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    for loop in tree.find_all(jinja2.nodes.For):
+        target = loop.iter
+        if isinstance(target, jinja2.nodes.Filter):  # e.g. `message['content'] | selectattr(...)`
+            target = target.node
+        if isinstance(target, jinja2.nodes.Getitem) and getattr(target.arg, "value", None) == "content":
+            return "openai"
+        if isinstance(target, jinja2.nodes.Getattr) and target.attr == "content":
+            return "openai"
+    return "string"
+
+
+def as_string_content(
+    hf_messages: list[dict], placeholder: Optional[Callable[[int], Optional[str]]] = None
+) -> list[dict]:
+    """Messages with each content list joined into one string, as vLLM's "string" format: the
+    model's placeholder for each of the message's images first, then its texts, one per line."""
+    joined, image_index = [], 0
+    for message in hf_messages:
+        content = message["content"]
+        if isinstance(content, list):
+            pieces = []
+            for part in (p for p in content if p["type"] == "image"):
+                pieces.append((placeholder(image_index) if placeholder else None) or "")
+                image_index += 1
+            pieces = [p for p in pieces if p] + [p["text"] for p in content if p["type"] == "text"]
+            content = "\n".join(pieces)
+        joined.append({**message, "content": content})
+    return joined
+
+
 def render_prompt(
     renderer: Any, chat_template: Optional[str], hf_messages: list[dict], images: list[Any],
     add_generation_prompt: bool = True, *, uuids: Optional[Sequence[Optional[str]]] = None,
+    content_format: ContentFormat = "auto", placeholder: Optional[Callable[[int], Optional[str]]] = None,
 ) -> dict:  # fmt: skip
     """The engine prompt for parsed messages and their loaded images (and the images' ids, if any
-    is named: "multi_modal_uuids")."""
+    is named: "multi_modal_uuids"). Message content goes to the template as a list of parts or as
+    one string, as the template expects (`content_format`; "auto" reads the template)."""
     if chat_template is None:
         raise InputError("This model has no chat template; pass chat_template=... or use generate().")
+    if content_format not in ("auto", "string", "openai"):
+        raise InputError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {content_format!r}.")
+    if (content_format == "auto" and detect_content_format(chat_template) == "string") or content_format == "string":
+        hf_messages = as_string_content(hf_messages, placeholder)
     prompt = renderer.apply_chat_template(
         hf_messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
     )
@@ -126,12 +177,16 @@ def render_chat(
     load_image: ImageLoader,
     add_generation_prompt: bool = True,
     image_text: Optional[str] = None,
+    *,
+    content_format: ContentFormat = "auto",
+    placeholder: Optional[Callable[[int], Optional[str]]] = None,
 ) -> dict:
     """The engine prompt for a conversation: {"prompt": text, "multi_modal_data": {"image": [...]}},
     with "multi_modal_uuids": {"image": [...]} when an image part has a "uuid". `renderer` is the
     model's HF processor (or tokenizer for text-only models)."""
     hf_messages, images, uuids = parse_chat_messages_with_uuids(messages, load_image, image_text)
-    return render_prompt(renderer, chat_template, hf_messages, images, add_generation_prompt, uuids=uuids)
+    return render_prompt(renderer, chat_template, hf_messages, images, add_generation_prompt, uuids=uuids,
+                         content_format=content_format, placeholder=placeholder)  # fmt: skip
 
 
 def render_plain(

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                        help="fetch http(s) image URLs only from these hosts (default: any public host)")  # fmt: skip
     serve.add_argument("--disable-media-url-fetch", action="store_true", help="never fetch http(s) image URLs")
+    serve.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
+                       help="message content as a string or as parts (default: what the template reads)")  # fmt: skip
     serve.add_argument("--allow-private-media-urls", action="store_true",
                        help="also fetch loopback, private and link-local addresses (default: refused)")  # fmt: skip
     serve.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="S",
@@ -159,6 +161,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return serve(str(folder), host=args.host, port=args.port, served_model_name=args.served_model_name,
                      api_key=args.api_key, media_policy=policy, max_images_per_prompt=args.max_images_per_prompt,
+                     chat_template_content_format=args.chat_template_content_format,
                      max_request_bytes=args.max_request_bytes, kv_cache_memory=args.kv_cache_memory,
                      **_pipeline_kwargs(args), **_mm_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:

@@ -14,7 +14,7 @@ from ..engine.prompt import PromptType
 from ..multimodal.media import LOCAL_FILES, load_image_url
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .chat_utils import Message, render_chat, render_plain
+from .chat_utils import ContentFormat, Message, render_chat, render_plain
 
 
 class LLM:
@@ -103,6 +103,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
         mm_processor_kwargs: Optional[Mapping[str, Any]] = None,
+        chat_template_content_format: ContentFormat = "auto",
     ) -> list[RequestOutput]:
         """Generate replies to OpenAI-style conversations: content is a string or a list of
         {"type": "text", "text": ...} and {"type": "image_url", "image_url": {"url": ...}} parts
@@ -110,7 +111,10 @@ class LLM:
         through the model's chat template. `mm_processor_kwargs` apply to every conversation, over
         the LLM's own."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = [self.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        prompts = [
+            self.render_chat(c, add_generation_prompt, chat_template, content_format=chat_template_content_format)
+            for c in conversations
+        ]
         if mm_processor_kwargs is not None:
             prompts = [{**prompt, "mm_processor_kwargs": mm_processor_kwargs} for prompt in prompts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -130,6 +134,7 @@ class LLM:
         chat_template: Optional[str] = None,
         *,
         plain_fallback: bool = False,
+        content_format: ContentFormat = "auto",
     ) -> dict:
         """The engine prompt for an OpenAI-style conversation: text through the chat template,
         images loaded in order (data URLs, file:// URLs, local paths or image_pil parts). With
@@ -137,7 +142,9 @@ class LLM:
         load = functools.partial(load_image_url, policy=LOCAL_FILES)
         renderer, image_text = self.engine.chat_renderer()
         template = chat_template or self.chat_template
+        get_placeholder = getattr(type(self.engine.model), "get_placeholder_str", None)
+        placeholder = (lambda i: get_placeholder("image", i)) if get_placeholder else None
         if template is None and plain_fallback:
-            placeholder = getattr(type(self.engine.model), "get_placeholder_str", None)
-            return render_plain(messages, load, (lambda i: placeholder("image", i)) if placeholder else None)
-        return render_chat(renderer, template, messages, load, add_generation_prompt, image_text)
+            return render_plain(messages, load, placeholder)
+        return render_chat(renderer, template, messages, load, add_generation_prompt, image_text,
+                           content_format=content_format, placeholder=placeholder)  # fmt: skip

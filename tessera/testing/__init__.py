@@ -3,9 +3,10 @@ seeded inputs, and helpers for a server under test. Not used by the engine itsel
 
 from .checkpoints import build_llava_15_shaped_processor_folder, build_tiny_fuyu, build_tiny_llava
 from .inputs import IMAGE_SIZES, LLAVA_PROMPTS, png_bytes, random_images
-from .tokenizer import build_tokenizer
+from .tokenizer import CHATML_TEMPLATE, build_tokenizer
 
 __all__ = [
+    "CHATML_TEMPLATE",
     "IMAGE_SIZES",
     "LLAVA_PROMPTS",
     "build_llava_15_shaped_processor_folder",

@@ -7,6 +7,7 @@ import pytest
 
 from tessera.entrypoints.chat_utils import parse_chat_messages, parse_chat_messages_with_uuids, render_prompt
 from tessera.errors import InputError
+from tessera.testing import CHATML_TEMPLATE
 
 
 def parse(messages, image_text=None):
@@ -99,6 +100,52 @@ class Renderer:
 )
 def test_render_prompt_adds_the_ids_when_an_image_is_named(uuids, expected):
     hf = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}, {"type": "image"}]}]
-    prompt = render_prompt(Renderer(), "T", hf, ["img1", "img2"], uuids=uuids)
+    prompt = render_prompt(Renderer(), "T", hf, ["img1", "img2"], uuids=uuids, content_format="openai")
     assert prompt["prompt"] == "T|iti" and prompt["multi_modal_data"] == {"image": ["img1", "img2"]}
     assert prompt.get("multi_modal_uuids") == expected
+
+
+# ---- template content formats (vLLM's --chat-template-content-format) -------------------------------------
+
+CHATML = CHATML_TEMPLATE
+PARTS_LOOP = "{% for message in messages %}{% for part in message.content %}{{ part['text'] }}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    "template, expected",
+    [(CHATML, "string"), (PARTS_LOOP, "openai"), ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+     ("{% for c in message['content'] | selectattr('type', 'equalto', 'image') %}<image>{% endfor %}", "openai"),
+     ("{% for x in %}", "string")],
+)  # fmt: skip
+def test_the_content_format_is_read_from_the_template(template, expected):
+    from tessera.entrypoints.chat_utils import detect_content_format
+
+    assert detect_content_format(template) == expected
+
+
+def test_string_content_puts_image_placeholders_first_then_the_texts_one_per_line():
+    from tessera.entrypoints.chat_utils import as_string_content
+
+    hf, _ = parse(
+        [{"role": "user", "content": ["What is", {"type": "image_url", "image_url": "a"}, "this?"]},
+         {"role": "assistant", "content": "A cat."},
+         {"role": "user", "content": [{"type": "image_url", "image_url": "b"}, "And this?"]}]
+    )  # fmt: skip
+    joined = as_string_content(hf, lambda i: f"<image{i}>")
+    assert [m["content"] for m in joined] == ["<image0>\nWhat is\nthis?", "A cat.", "<image1>\nAnd this?"]
+
+
+def test_a_chatml_template_renders_string_content_as_hf_does():
+    """ChatML-style templates concatenate content: given parts, jinja raises TypeError (the crash
+    SmolLM2 users hit); rendered as strings, the prompt is what HF renders for string messages."""
+    from tessera.entrypoints.chat_utils import render_prompt
+    from tessera.testing import build_tokenizer
+
+    tokenizer = build_tokenizer("llava")
+    hf, _ = parse([{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}])
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi there"}], chat_template=CHATML, add_generation_prompt=True, tokenize=False
+    )
+    assert render_prompt(tokenizer, CHATML, hf, [])["prompt"] == expected
+    with pytest.raises(TypeError):
+        render_prompt(tokenizer, CHATML, hf, [], content_format="openai")

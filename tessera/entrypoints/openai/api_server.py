@@ -47,6 +47,7 @@ def build_app(
     max_images_per_prompt: Optional[int] = None,
     max_request_bytes: int = 32 * 2**20,
     max_concurrent_fetches: int = 16,
+    chat_template_content_format: str = "auto",
     allowed_media_dir: Optional[str] = None,
     image_fetch_timeout: Optional[float] = None,
     image_fetch_max_bytes: Optional[int] = None,
@@ -64,7 +65,11 @@ def build_app(
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
     metrics = ServerMetrics(engine.engine)
     media = AsyncMediaLoader(media_policy, max_concurrent_fetches=max_concurrent_fetches)
-    serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt)
+    if chat_template_content_format not in ("auto", "string", "openai"):
+        raise ValueError(
+            f"chat_template_content_format must be auto, string or openai, got {chat_template_content_format!r}"
+        )
+    serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     model_path = str(engine.engine.model_config.model)
 

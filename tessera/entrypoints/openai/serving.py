@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -16,7 +17,7 @@ from ...engine.prompt import check_text_length
 from ...errors import InputError
 from ...multimodal.inline_images import inline_images_to_prompt
 from ...outputs import CompletionOutput, RequestOutput
-from ..chat_utils import parse_chat_messages_with_uuids, render_prompt
+from ..chat_utils import ContentFormat, parse_chat_messages_with_uuids, render_prompt
 from .media_loader import AsyncMediaLoader
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, error_body
@@ -32,12 +33,14 @@ class OpenAIServing:
         model_name: str,
         media: AsyncMediaLoader,
         max_images_per_prompt: Optional[int],
+        content_format: ContentFormat = "auto",
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
         self.media = media
         self.max_images = max_images_per_prompt
+        self.content_format = content_format  # how message content reaches the chat template
         core = engine.engine
         self.tokenizer = core.tokenizer
         self.renderer, self.image_text = core.chat_renderer()
@@ -61,8 +64,12 @@ class OpenAIServing:
         chars = sum(len(p["text"]) for m in hf_messages for p in _parts(m["content"]) if p["type"] == "text")
         check_text_length(chars, self.engine.engine.input_preprocessor.max_prompt_chars)  # before rendering megabytes
         images = await self.media.load_all(urls)
+        placeholder = (lambda i: self.placeholder("image", i)) if self.placeholder else None
+        render = functools.partial(
+            render_prompt, uuids=uuids, content_format=self.content_format, placeholder=placeholder
+        )
         return await asyncio.to_thread(
-            render_prompt, self.renderer, self.chat_template, hf_messages, images, add_generation_prompt, uuids=uuids
+            render, self.renderer, self.chat_template, hf_messages, images, add_generation_prompt
         )
 
     async def completion_prompt(self, prompt: str | list[int]) -> Any:
