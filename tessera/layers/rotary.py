@@ -21,6 +21,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
         super().__init__()
         rope_scaling = getattr(config, "rope_scaling", None) or {}
+        if "mrope_section" in rope_scaling:  # transformers renames "mrope" to "default": never run it as 1-D
+            raise ValueError(
+                f"The model config asks for M-RoPE (mrope_section {rope_scaling['mrope_section']}): three-axis "
+                "positions this rotary embedding does not compute; this model cannot run that config."
+            )
         self.rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         if self.rope_type not in ROPE_INIT_FUNCTIONS or self.rope_type == "dynamic":
             raise ValueError(f"Unsupported rope_scaling type {self.rope_type!r} in the model config")

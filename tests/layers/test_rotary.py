@@ -46,3 +46,17 @@ def test_dynamic_scaling_is_refused():
     config = LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match="Unsupported rope_scaling type 'dynamic'"):
         RotaryEmbedding(config, head_dim=8)
+
+
+def test_an_mrope_config_is_refused_not_run_with_one_dimensional_positions():
+    """transformers rewrites Qwen2-VL's rope type "mrope" to "default" (keeping mrope_section): a
+    plain rotary embedding would run it with wrong positions, silently."""
+    from transformers import Qwen2VLConfig
+
+    config = Qwen2VLConfig(rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}, hidden_size=32,
+                           num_attention_heads=4)  # fmt: skip
+    text_config = config.get_text_config()
+    scaling = text_config.rope_scaling
+    assert scaling.get("rope_type", scaling.get("type")) == "default" and "mrope_section" in scaling
+    with pytest.raises(ValueError, match=r"M-RoPE \(mrope_section \[2, 1, 1\]\)"):
+        RotaryEmbedding(text_config, head_dim=8)
