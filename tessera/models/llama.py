@@ -6,6 +6,8 @@ across sequences: `[num_tokens]` ids and positions, `[num_tokens, hidden]` activ
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -19,7 +21,16 @@ from tessera.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        rotary_emb: RotaryEmbedding,
+        *,
+        qkv_bias: Optional[bool] = None,
+        o_bias: Optional[bool] = None,
+    ) -> None:
+        """`qkv_bias` / `o_bias`: the config's `attention_bias` unless a model says otherwise
+        (Qwen2 has biases on q, k and v only)."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -27,8 +38,10 @@ class LlamaAttention(nn.Module):
         bias = getattr(config, "attention_bias", False)
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shards = {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}
-        self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=bias if qkv_bias is None else qkv_bias)
+        self.o_proj = Linear(
+            self.num_heads * self.head_dim, config.hidden_size, bias=bias if o_bias is None else o_bias
+        )
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5)
 
@@ -57,9 +70,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding, attention: type = LlamaAttention) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb)
+        self.self_attn = attention(config, rotary_emb)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

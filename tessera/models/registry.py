@@ -18,11 +18,13 @@ _BUILTIN_MODELS = {
     "FuyuForCausalLM": "tessera.models.fuyu:FuyuForCausalLM",
     "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
     "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",
+    "Qwen2ForCausalLM": "tessera.models.qwen2:Qwen2ForCausalLM",
 }
 # Language models a multimodal model builds on, by its text_config.model_type.
 _BUILTIN_TEXT_MODELS = {
     "llama": "tessera.models.llama:LlamaForCausalLM",
     "persimmon": "tessera.models.persimmon:PersimmonForCausalLM",
+    "qwen2": "tessera.models.qwen2:Qwen2ForCausalLM",
 }
 
 

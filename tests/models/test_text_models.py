@@ -1,12 +1,13 @@
-"""Llama and Persimmon as plain text models, against Hugging Face transformers (fp32)."""
+"""Llama, Persimmon and Qwen2 as plain text models, against Hugging Face transformers (fp32)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, PersimmonConfig
+from transformers import LlamaConfig, PersimmonConfig, Qwen2Config
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import PersimmonForCausalLM as HFPersimmon
+from transformers import Qwen2ForCausalLM as HFQwen2
 
 from tessera.config import ModelConfig
 from tessera.layers.attention import AttentionMetadata, attention_metadata
@@ -28,8 +29,10 @@ def save_tiny(folder, hf_cls, config):
         (HFLlama, LlamaConfig(**TINY, num_key_value_heads=2)),
         (HFLlama, LlamaConfig(**TINY, tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0})),
         (HFPersimmon, PersimmonConfig(**TINY)),
+        (HFQwen2, Qwen2Config(**TINY, num_key_value_heads=2, rope_theta=1e6)),
+        (HFQwen2, Qwen2Config(**TINY, num_key_value_heads=1, tie_word_embeddings=True)),
     ],
-    ids=["llama-gqa", "llama-tied-linear-rope", "persimmon"],
+    ids=["llama-gqa", "llama-tied-linear-rope", "persimmon", "qwen2-gqa", "qwen2-tied-mqa"],
 )
 def test_text_model_logits_match_hf(tmp_path, hf_cls, config):
     folder = save_tiny(tmp_path / "m", hf_cls, config)
@@ -41,3 +44,9 @@ def test_text_model_logits_match_hf(tmp_path, hf_cls, config):
         ours = model.compute_logits(model(ids, torch.arange(11)))
         expected = hf_cls.from_pretrained(folder, attn_implementation="eager")(ids[None]).logits[0]
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+def test_a_qwen2_sliding_window_config_is_refused_at_load(tmp_path):
+    folder = save_tiny(tmp_path / "m", HFQwen2, Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8))
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        load_model(ModelConfig(str(folder), device="cpu"))
