@@ -12,7 +12,7 @@ from transformers import AutoProcessor, LlamaConfig, LlamaForCausalLM
 from transformers import LlavaForConditionalGeneration as HFLlava
 
 from tessera import LLM, SamplingParams
-from tessera.testing import CHATML_TEMPLATE, build_tokenizer, random_images
+from tessera.testing import CHATML_TEMPLATE, build_tiny_text_model, build_tokenizer, random_images
 
 TEXT = "USER: What is this? ASSISTANT:"
 IMAGE_TEXT = "USER: <image>\nWhat is this? ASSISTANT:"
@@ -352,25 +352,7 @@ def test_an_unknown_option_is_refused(tiny_llava_dir, option):
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    tokenizer = build_tokenizer("llava")
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return build_tiny_text_model(tmp_path_factory.mktemp("tiny_llama"), LlamaForCausalLM, LlamaConfig)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,12 @@
 """What tests, benchmarks and examples share: tiny Hugging Face-format checkpoints built offline,
 seeded inputs, and helpers for a server under test. Not used by the engine itself."""
 
-from .checkpoints import build_llava_15_shaped_processor_folder, build_tiny_fuyu, build_tiny_llava
+from .checkpoints import (
+    build_llava_15_shaped_processor_folder,
+    build_tiny_fuyu,
+    build_tiny_llava,
+    build_tiny_text_model,
+)
 from .inputs import IMAGE_SIZES, LLAVA_PROMPTS, png_bytes, random_images
 from .tokenizer import CHATML_TEMPLATE, build_tokenizer
 
@@ -12,6 +17,7 @@ __all__ = [
     "build_llava_15_shaped_processor_folder",
     "build_tiny_fuyu",
     "build_tiny_llava",
+    "build_tiny_text_model",
     "build_tokenizer",
     "png_bytes",
     "random_images",

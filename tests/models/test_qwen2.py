@@ -9,7 +9,7 @@ from transformers import Qwen2Config
 from transformers import Qwen2ForCausalLM as HFQwen2
 
 from tessera import LLM, SamplingParams
-from tessera.testing import build_tokenizer
+from tessera.testing import build_tiny_text_model, build_tokenizer
 
 PROMPTS = ["The circle is red.", "How many squares are there in the picture?", "Describe it.", "A b c d e f g h"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -17,18 +17,8 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen2")
-    tokenizer = build_tokenizer("llava")
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rope_theta=1e6, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        HFQwen2(config).save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return build_tiny_text_model(tmp_path_factory.mktemp("qwen2"), HFQwen2, Qwen2Config, intermediate_size=48,
+                                 rope_theta=1e6)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
