@@ -1,5 +1,6 @@
-"""The front door of the engine: every prompt form becomes one `PromptInputs` (token ids, items
-with hashes and placeholder ranges), checked against what the engine can hold.
+"""The front door of the engine: every prompt form — text, token ids, chat messages, text with
+inline `<img>` tags — becomes one `PromptInputs` (token ids, items with hashes and placeholder
+ranges), checked against what the engine can hold. Chat templates are rendered here only.
 
 It touches no engine state, so the server runs it on a worker pool while the engine keeps
 stepping; the engine only queues what it returns (as vLLM's input processor feeds its engine core).
@@ -7,12 +8,15 @@ stepping; the engine only queues what it returns (as vLLM's input processor feed
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from ..config import ModelConfig
 from ..errors import InputError
+from ..multimodal.inline_images import inline_images_to_prompt
 from ..sampling_params import SamplingParams
+from .chat_utils import ContentFormat, ImageLoader, Message, render_chat, render_plain
 from .prompt import PromptInputs, PromptType, longest_token_chars, process_prompt
 
 
@@ -26,11 +30,25 @@ class EngineLimits:
 
 
 class InputPreprocessor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, processor: Any, limits: EngineLimits) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        processor: Any,
+        limits: EngineLimits,
+        *,
+        chat_renderer: tuple[Any, Optional[str]] = (None, None),
+        placeholder: Optional[Callable[[int], Optional[str]]] = None,
+    ) -> None:
+        """`chat_renderer`: (what renders chat templates, the text an image part becomes in pipeline
+        mode or None); `placeholder(i)`: the model's prompt text for image i, if it has one."""
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.processor = processor  # the model's BaseMultiModalProcessor, or None for a text model
         self.limits = limits
+        self.renderer, self.image_text = chat_renderer
+        self.chat_template: Optional[str] = getattr(self.renderer, "chat_template", None)
+        self.placeholder = placeholder
         text_config = model_config.hf_config.get_text_config()
         self.vocab_size = text_config.vocab_size  # token ids a prompt may hold: rows of the embedding table
         # No text longer than this can fit the context (every token covers at most this many
@@ -44,6 +62,29 @@ class InputPreprocessor:
         )
         self._check_fits(inputs, params)
         return inputs
+
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        load_image: ImageLoader,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: Optional[str] = None,
+        content_format: ContentFormat = "auto",
+        plain_fallback: bool = False,
+    ) -> dict:
+        """The prompt dict for an OpenAI-style conversation through the model's chat template (or
+        `chat_template`); with `plain_fallback`, a model without one gets its last message as it is."""
+        template = chat_template or self.chat_template
+        if template is None and plain_fallback:
+            return render_plain(messages, load_image, self.placeholder)
+        return render_chat(self.renderer, template, messages, load_image, add_generation_prompt, self.image_text,
+                           content_format=content_format, placeholder=self.placeholder)  # fmt: skip
+
+    def render_inline(self, text: str, load_image: ImageLoader) -> dict:
+        """The prompt dict for text with inline `<img src=...>` tags (the model's placeholders in
+        their place, the images loaded in order)."""
+        return inline_images_to_prompt(text, self.placeholder, load_image)
 
     def _check_fits(self, inputs: PromptInputs, params: SamplingParams) -> None:
         limits, num_tokens = self.limits, len(inputs.token_ids)

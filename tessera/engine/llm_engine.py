@@ -82,7 +82,11 @@ class LLMEngine:
             encoder_rows=min(self.encoder_budget, encoder_cache.capacity),
             kv_tokens=num_blocks * cache_config.block_size,
         )
-        self.input_preprocessor = InputPreprocessor(model_config, self.tokenizer, self.processor, limits)
+        get_placeholder = getattr(type(self.model), "get_placeholder_str", None)
+        self.input_preprocessor = InputPreprocessor(
+            model_config, self.tokenizer, self.processor, limits, chat_renderer=self.built.chat_renderer(),
+            placeholder=(lambda i: get_placeholder("image", i)) if get_placeholder else None,
+        )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
         self._profiling = False
         self._profile_run()
@@ -103,10 +107,6 @@ class LLMEngine:
         mm_config = MultiModalConfig(**groups[MultiModalConfig])
         model_config = ModelConfig(model, multimodal_config=mm_config, **groups[ModelConfig])
         return cls(model_config, CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]))
-
-    def chat_renderer(self) -> tuple[Any, Optional[str]]:
-        """(what renders chat templates, the text an image part becomes or None): see BuiltModel."""
-        return self.built.chat_renderer()
 
     # ---- requests -------------------------------------------------------------------------------
 

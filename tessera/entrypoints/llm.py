@@ -9,12 +9,12 @@ from typing import Any, Optional, Union
 
 from tqdm.auto import tqdm
 
+from ..engine.chat_utils import ContentFormat, Message
 from ..engine.llm_engine import LLMEngine
 from ..engine.prompt import PromptType
 from ..multimodal.media import LOCAL_FILES, load_image_url
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .chat_utils import ContentFormat, Message, render_chat, render_plain
 
 
 class LLM:
@@ -119,13 +119,10 @@ class LLM:
             prompts = [{**prompt, "mm_processor_kwargs": mm_processor_kwargs} for prompt in prompts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _chat_renderer(self) -> Any:
-        return self.engine.chat_renderer()[0]
-
     @property
     def chat_template(self) -> Optional[str]:
         """The model's chat template (its processor's, else its tokenizer's), if it has one."""
-        return getattr(self._chat_renderer(), "chat_template", None)
+        return self.engine.input_preprocessor.chat_template
 
     def render_chat(
         self,
@@ -140,11 +137,7 @@ class LLM:
         images loaded in order (data URLs, file:// URLs, local paths or image_pil parts). With
         `plain_fallback`, a model without a template gets the last message as it is."""
         load = functools.partial(load_image_url, policy=LOCAL_FILES)
-        renderer, image_text = self.engine.chat_renderer()
-        template = chat_template or self.chat_template
-        get_placeholder = getattr(type(self.engine.model), "get_placeholder_str", None)
-        placeholder = (lambda i: get_placeholder("image", i)) if get_placeholder else None
-        if template is None and plain_fallback:
-            return render_plain(messages, load, placeholder)
-        return render_chat(renderer, template, messages, load, add_generation_prompt, image_text,
-                           content_format=content_format, placeholder=placeholder)  # fmt: skip
+        return self.engine.input_preprocessor.render_chat(
+            messages, load, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+            content_format=content_format, plain_fallback=plain_fallback,
+        )  # fmt: skip

@@ -13,11 +13,10 @@ from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
+from ...engine.chat_utils import ContentFormat, parse_chat_messages_with_uuids
 from ...engine.prompt import check_text_length
 from ...errors import InputError
-from ...multimodal.inline_images import inline_images_to_prompt
 from ...outputs import CompletionOutput, RequestOutput
-from ..chat_utils import ContentFormat, parse_chat_messages_with_uuids, render_prompt
 from .media_loader import AsyncMediaLoader
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, error_body
@@ -41,12 +40,8 @@ class OpenAIServing:
         self.media = media
         self.max_images = max_images_per_prompt
         self.content_format = content_format  # how message content reaches the chat template
-        core = engine.engine
-        self.tokenizer = core.tokenizer
-        self.renderer, self.image_text = core.chat_renderer()
-        self.chat_template = getattr(self.renderer, "chat_template", None)
-        model_cls = type(core.model)
-        self.placeholder = getattr(model_cls, "get_placeholder_str", None)
+        self.tokenizer = engine.engine.tokenizer
+        self.preprocessor = engine.engine.input_preprocessor  # renders chats and inline <img> prompts
 
     # ---- prompts ---------------------------------------------------------------------------------
 
@@ -57,26 +52,23 @@ class OpenAIServing:
     async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> dict:
         # Parse first with the URLs standing in for images: a malformed message or too many
         # images is refused before anything is fetched or decoded.
-        hf_messages, urls, uuids = parse_chat_messages_with_uuids(messages, lambda url: url, self.image_text)
+        hf_messages, urls, _ = parse_chat_messages_with_uuids(messages, lambda url: url, self.preprocessor.image_text)
         if any(not isinstance(url, str) for url in urls):
             raise InputError("Unsupported content part type 'image_pil'; send images as image_url parts.")
         self._check_image_count(len(urls))
         chars = sum(len(p["text"]) for m in hf_messages for p in _parts(m["content"]) if p["type"] == "text")
-        check_text_length(chars, self.engine.engine.input_preprocessor.max_prompt_chars)  # before rendering megabytes
-        images = await self.media.load_all(urls)
-        placeholder = (lambda i: self.placeholder("image", i)) if self.placeholder else None
+        check_text_length(chars, self.preprocessor.max_prompt_chars)  # before rendering megabytes
+        loaded = iter(await self.media.load_all(urls))
         render = functools.partial(
-            render_prompt, uuids=uuids, content_format=self.content_format, placeholder=placeholder
-        )
-        return await asyncio.to_thread(
-            render, self.renderer, self.chat_template, hf_messages, images, add_generation_prompt
-        )
+            self.preprocessor.render_chat, add_generation_prompt=add_generation_prompt,
+            content_format=self.content_format,
+        )  # fmt: skip
+        return await asyncio.to_thread(render, messages, lambda url: next(loaded))  # the images, in order
 
     async def completion_prompt(self, prompt: str | list[int]) -> Any:
         if not isinstance(prompt, str):
             return prompt  # token ids: checked against the vocabulary when processed
-        placeholder = (lambda i: self.placeholder("image", i)) if self.placeholder else None
-        parsed = inline_images_to_prompt(prompt, placeholder, lambda src: src)  # srcs stand in for images
+        parsed = self.preprocessor.render_inline(prompt, lambda src: src)  # srcs stand in for images
         if "multi_modal_data" in parsed:
             urls = parsed["multi_modal_data"]["image"]
             self._check_image_count(len(urls))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.entrypoints.chat_utils import parse_chat_messages, parse_chat_messages_with_uuids, render_prompt
+from tessera.engine.chat_utils import parse_chat_messages, parse_chat_messages_with_uuids, render_prompt
 from tessera.errors import InputError
 from tessera.testing import CHATML_TEMPLATE
 
@@ -118,13 +118,13 @@ PARTS_LOOP = "{% for message in messages %}{% for part in message.content %}{{ p
      ("{% for x in %}", "string")],
 )  # fmt: skip
 def test_the_content_format_is_read_from_the_template(template, expected):
-    from tessera.entrypoints.chat_utils import detect_content_format
+    from tessera.engine.chat_utils import detect_content_format
 
     assert detect_content_format(template) == expected
 
 
 def test_string_content_puts_image_placeholders_first_then_the_texts_one_per_line():
-    from tessera.entrypoints.chat_utils import as_string_content
+    from tessera.engine.chat_utils import as_string_content
 
     hf, _ = parse(
         [{"role": "user", "content": ["What is", {"type": "image_url", "image_url": "a"}, "this?"]},
@@ -138,7 +138,7 @@ def test_string_content_puts_image_placeholders_first_then_the_texts_one_per_lin
 def test_a_chatml_template_renders_string_content_as_hf_does():
     """ChatML-style templates concatenate content: given parts, jinja raises TypeError (the crash
     SmolLM2 users hit); rendered as strings, the prompt is what HF renders for string messages."""
-    from tessera.entrypoints.chat_utils import render_prompt
+    from tessera.engine.chat_utils import render_prompt
     from tessera.testing import build_tokenizer
 
     tokenizer = build_tokenizer("llava")
