@@ -24,3 +24,14 @@ def greedy_logprobs(
         steps = [[step[token] for token in range(vocab_size)] for step in completion.logprobs]
         results.append((completion.token_ids, torch.tensor(steps)))
     return results
+
+
+def hf_recomputed_logprobs(hf_model: Any, inputs: Any, tokens: Sequence[int]) -> torch.Tensor:
+    """HF's log-probabilities after the prompt and after each generated token but the last, from one
+    forward over prompt + tokens (no KV cache): [len(tokens), vocab]. `inputs`: the HF processor's."""
+    inputs = dict(inputs)
+    prompt_len = inputs["input_ids"].shape[1]
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([list(tokens[:-1])])], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    with torch.no_grad():
+        return hf_model(**inputs).logits[0, prompt_len - 1 :].log_softmax(-1)

@@ -12,7 +12,7 @@ from tessera.config import ModelConfig
 from tessera.models.loader import load_model
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.testing import random_images
-from tessera.testing.generation import greedy_logprobs
+from tessera.testing.generation import greedy_logprobs, hf_recomputed_logprobs
 
 PROMPT = "What colour is the square?"
 SIZES = [(60, 40), (48, 48), (20, 90)]  # (width, height): cropped, exact and downscaled grids
@@ -93,12 +93,7 @@ def test_paged_decode_equals_recomputing_the_sequence(fuyu, tiny_fuyu_dir):
     torch.testing.assert_close(logprobs, one_block, atol=1e-5, rtol=0)
 
     # Recomputed: the prompt and every output token but the last in one forward (HF, no KV cache).
-    inputs = dict(hf_inputs(hf_processor, processor, image))
-    prompt_len = inputs["input_ids"].shape[1]
-    inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([tokens[:-1]])], dim=1)
-    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    with torch.no_grad():
-        recomputed = hf_model(**inputs).logits[0, prompt_len - 1 :].log_softmax(-1)
+    recomputed = hf_recomputed_logprobs(hf_model, hf_inputs(hf_processor, processor, image), tokens)
     torch.testing.assert_close(logprobs, recomputed, atol=1e-4, rtol=0)
 
 

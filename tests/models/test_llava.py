@@ -12,7 +12,7 @@ from tessera.config import ModelConfig
 from tessera.models.loader import load_model
 from tessera.testing import IMAGE_SIZES as SIZES
 from tessera.testing import LLAVA_PROMPTS, build_tiny_llava, random_images
-from tessera.testing.generation import greedy_logprobs
+from tessera.testing.generation import greedy_logprobs, hf_recomputed_logprobs
 
 
 def engine(folder, **options) -> LLM:
@@ -96,11 +96,7 @@ def test_paged_decode_equals_recomputing_the_sequence(llava, tiny_llava_dir):
 
     # Recomputed: the prompt and every output token but the last in one forward (HF, no KV cache).
     inputs = hf_processor(text=LLAVA_PROMPTS[1], images=images, return_tensors="pt")
-    prompt_len = inputs["input_ids"].shape[1]
-    inputs["input_ids"] = torch.cat([inputs["input_ids"], torch.tensor([tokens[:-1]])], dim=1)
-    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    with torch.no_grad():
-        recomputed = hf_model(**inputs).logits[0, prompt_len - 1 :].log_softmax(-1)
+    recomputed = hf_recomputed_logprobs(hf_model, inputs, tokens)
     torch.testing.assert_close(logprobs, recomputed, atol=1e-4, rtol=0)
 
 
