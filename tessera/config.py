@@ -87,7 +87,7 @@ class ModelConfig:
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     dtype: "str | torch.dtype" = "auto"
-    """Language model dtype; "auto" takes config.json's torch_dtype (float32 if absent)."""
+    """Language model dtype; "auto" takes config.json's dtype (float32 if absent)."""
 
     device: Optional[str] = None
     """Device of the language model; None: cuda if available, else cpu."""
@@ -116,7 +116,7 @@ class ModelConfig:
         self.tokenizer = self.tokenizer or self.model
         self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
         if self.dtype == "auto":
-            self.dtype = getattr(self.hf_config, "torch_dtype", None) or torch.float32
+            self.dtype = getattr(self.hf_config, "dtype", None) or torch.float32
         self.dtype = parse_dtype(self.dtype)
         self.vision_dtype = parse_dtype(self.vision_dtype or self.dtype, "vision_dtype")
         self.projector_dtype = parse_dtype(self.projector_dtype or self.dtype, "projector_dtype")

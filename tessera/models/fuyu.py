@@ -151,7 +151,7 @@ class FuyuForCausalLM(nn.Module, SupportsMultiModal):
         super().__init__()
         self.config = config
         patch_dim = config.patch_size * config.patch_size * config.num_channels
-        self.vision_embed_tokens = Linear(patch_dim, config.hidden_size)
+        self.vision_embed_tokens = Linear(patch_dim, config.text_config.hidden_size)
         self.language_model = ModelRegistry.resolve_text_model_cls(config.text_config)(config.text_config)
         # The |SPEAKER| id is the tokenizer's and FuyuConfig 4.48 lacks it: merging by token id needs
         # it set; the engine merges by the placeholders' is_embed mask instead.

@@ -119,10 +119,14 @@ class LlavaMultiModalProjector(nn.Module):
 )
 class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
     multimodal_parts = {"vision": "vision_tower", "projector": "multi_modal_projector"}
-    # Checkpoints saved by transformers >= 4.52 nest the parts under "model."; map them back.
+    # Checkpoints saved by transformers >= 4.52 nest the parts under "model."; 5.x saves the CLIP
+    # tower without its "vision_model." level. Map every layout to the hub's (first match wins).
     hf_to_tessera_prefixes = {
         "model.language_model.": "language_model.model.",
-        "model.vision_tower.": "vision_tower.",
+        "model.vision_tower.vision_model.": "vision_tower.vision_model.",
+        "model.vision_tower.": "vision_tower.vision_model.",
+        "vision_tower.vision_model.": "vision_tower.vision_model.",
+        "vision_tower.": "vision_tower.vision_model.",
         "model.multi_modal_projector.": "multi_modal_projector.",
         "lm_head.": "language_model.lm_head.",
     }

@@ -86,7 +86,7 @@ def load_weights(
         if source is not None:
             loaded.update({n: loaded[source] for n in group})
     missing = [name for name in expected if name not in loaded]
-    missing = [n for name in missing for n in (sorted(shards_missing.get(name)) or [name])]
+    missing = [n for name in missing for n in (sorted(shards_missing.get(name, ())) or [name])]
     if missing:
         raise ValueError(f"Missing weights in {folder}: {_listing(missing)}")
     if unexpected:

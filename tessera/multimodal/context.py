@@ -22,8 +22,10 @@ from typing import Any, Optional, TypeVar
 
 import typing_extensions
 from transformers import AutoProcessor, AutoTokenizer, BatchFeature, PretrainedConfig, ProcessorMixin
+from transformers.image_utils import SizeDict
 
 from ..config import ModelConfig
+from .hf_compat import restore_legacy_layout
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ class InputProcessingContext:
         base = self._base_processor()
         merged = self.get_merged_mm_kwargs(kwargs)
         merged.pop("tokenizer", None)
-        constructor_kwargs = split_mm_kwargs(base, merged).constructor
+        constructor_kwargs = _size_dicts(base, split_mm_kwargs(base, merged).constructor)
         processor = self._processor_with(constructor_kwargs) if constructor_kwargs else base
         _check_type(processor, typ, self.model_config.model)
         return processor  # type: ignore[return-value]
@@ -118,13 +120,14 @@ class InputProcessingContext:
         if split.dropped:
             self._warn_dropped(hf_processor, split.dropped)
         try:
-            return hf_processor(**data, **split.call, return_tensors="pt")
+            outputs = hf_processor(**data, **split.call, return_tensors="pt")
         except Exception as e:
             used = [key for key in merged if key not in split.dropped]
             raise ValueError(
                 f"{_name_of(hf_processor)} could not process this input ({type(e).__name__}: {e}); "
                 f"check the images and processor kwargs {_names(used)}."
             ) from e
+        return restore_legacy_layout(hf_processor, data, outputs)
 
     def _warn_dropped(self, hf_processor: Any, dropped: list[str]) -> None:
         key = frozenset(dropped)
@@ -180,7 +183,8 @@ def constructor_kwarg_names(processor: ProcessorMixin) -> frozenset[str]:
     """Keys `AutoProcessor.from_pretrained` applies to this processor: parameters named by the
     __init__ of the processor or of one of its sub-processors (image processor...; not the
     tokenizer, which is ours) that the instance keeps as an attribute, and ``use_fast``."""
-    attributes = list(getattr(processor, "attributes", []))
+    get_attributes = getattr(type(processor), "get_attributes", None)  # transformers 5; 4.x: .attributes
+    attributes = list(get_attributes() if get_attributes else getattr(processor, "attributes", []))
     owners = [processor] + [getattr(processor, a, None) for a in attributes if a != "tokenizer"]
     cache_key = tuple(type(owner) for owner in owners)
     names = _INIT_NAMES.get(cache_key)
@@ -246,12 +250,30 @@ def _typed_kwargs_names(annotation: Any) -> Optional[set[str]]:
 
 
 def _named_parameters(fn: Callable[..., Any]) -> list[str]:
+    """Keyword parameter names of `fn`, with the keys of a typed ``**kwargs: Unpack[...]`` (how
+    transformers 5 image processors declare their __init__ options)."""
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return []
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in parameters if p.kind in kinds]
+    names = [p.name for p in parameters if p.kind in kinds]
+    for p in parameters:
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            names += sorted(_typed_kwargs_names(p.annotation) or ())
+    return names
+
+
+def _size_dicts(processor: ProcessorMixin, kwargs: dict[str, object]) -> dict[str, object]:
+    """JSON mappings for options a transformers 5 (sub-)processor holds as a SizeDict (sizes,
+    patch sizes), which its constructor refuses as plain dicts, become SizeDicts."""
+    get_attributes = getattr(type(processor), "get_attributes", None)
+    owners = [processor] + [getattr(processor, a, None) for a in (get_attributes() if get_attributes else [])]
+    converted = dict(kwargs)
+    for key, value in kwargs.items():
+        if isinstance(value, Mapping) and any(isinstance(getattr(o, key, None), SizeDict) for o in owners):
+            converted[key] = SizeDict(**value)
+    return converted
 
 
 def _freeze(value: Any) -> Any:

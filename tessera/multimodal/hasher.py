@@ -8,6 +8,7 @@ hashed by that id instead of its pixels (as vLLM does).
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Optional
@@ -61,6 +62,9 @@ class MultiModalHasher:
             yield f"<{type(obj).__name__} {len(obj)}>".encode()
             for item in obj:
                 yield from cls._serialize(item)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # e.g. transformers' SizeDict
+            yield f"<{type(obj).__name__}>".encode()
+            yield from cls._serialize({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
         elif isinstance(obj, np.generic):
             yield from cls._serialize(obj.item())
         elif obj is None or isinstance(obj, (bool, int, float, str, bytes)):

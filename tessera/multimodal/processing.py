@@ -118,7 +118,14 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
     def _call_hf_processor(
         self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object]
     ) -> BatchFeature:
-        """Call the HF processor; `mm_data` uses its keyword names (e.g. ``images``)."""
+        """Call the HF processor; `mm_data` uses its keyword names (e.g. ``images``). Text alone
+        goes to the processor's tokenizer: transformers 5 processors refuse a prompt whose
+        placeholders (``<image>``) have no items, which is how text reaches them here (the
+        processor-output cache and token prompts process items apart from the text)."""
+        if not mm_data:
+            hf_processor = self.info.get_hf_processor(**mm_kwargs)
+            tokenizer = getattr(hf_processor, "tokenizer", None) or self.info.get_tokenizer()
+            return BatchFeature(dict(tokenizer(prompt, return_tensors="pt")))
         return self.info.ctx.call_hf_processor(
             self.info.get_hf_processor(**mm_kwargs), dict(text=prompt, **mm_data), mm_kwargs
         )
@@ -273,7 +280,19 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
     ) -> tuple[list[int], MultiModalKwargs, bool]:
         if isinstance(prompt, str):
             if enable_hf_prompt_update:
-                return self._apply_hf_processor_text_mm(prompt, mm_items, hf_processor_mm_kwargs)
+                try:
+                    return self._apply_hf_processor_text_mm(prompt, mm_items, hf_processor_mm_kwargs)
+                except ValueError as hf_error:
+                    if not mm_items:
+                        raise
+                    # transformers 5 processors refuse a prompt whose placeholders do not match
+                    # the items; processed apart, the placement below names what is wrong.
+                    try:
+                        return self._apply_hf_processor_main(
+                            prompt, mm_items, hf_processor_mm_kwargs, enable_hf_prompt_update=False
+                        )
+                    except ValueError:
+                        raise hf_error from None
             prompt_ids = self._apply_hf_processor_text_only(prompt)
         else:
             prompt_ids = self._apply_hf_processor_tokens_only(list(prompt))

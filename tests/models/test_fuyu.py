@@ -97,23 +97,23 @@ def test_paged_decode_equals_recomputing_the_sequence(fuyu, tiny_fuyu_dir):
     torch.testing.assert_close(logprobs, recomputed, atol=1e-4, rtol=0)
 
 
-def test_merging_by_token_id_needs_the_image_token_id(fuyu, tiny_fuyu_dir):
+def test_merging_by_token_id_equals_merging_by_mask(fuyu, tiny_fuyu_dir):
+    """The config's image_token_id (the |SPEAKER| id) merges as the placeholders' is_embed mask does;
+    without it, merging by id is refused by name."""
     _, _, processor, _ = fuyu
     model = load_model(ModelConfig(str(tiny_fuyu_dir), device="cpu"))
     inputs = processor.apply(PROMPT, {"image": random_images([(16, 16)])})
     ids = torch.tensor(inputs["prompt_token_ids"])
     embeds = model.get_multimodal_embeddings(**inputs["mm_kwargs"])
-    with pytest.raises(ValueError, match="placeholder_token_id"):
-        model.get_input_embeddings(ids, embeds)
-    model.placeholder_token_id = processor.info.get_tokenizer().convert_tokens_to_ids("|SPEAKER|")
-    try:
-        by_id = model.get_input_embeddings(ids, embeds)
-    finally:
-        model.placeholder_token_id = None
+    assert model.placeholder_token_id == processor.info.get_tokenizer().convert_tokens_to_ids("|SPEAKER|")
+    by_id = model.get_input_embeddings(ids, embeds)
     mask = torch.zeros(len(ids), dtype=torch.bool)
     (placeholder,) = inputs["mm_placeholders"]["image"]
     mask[placeholder.offset : placeholder.offset + placeholder.length] = placeholder.is_embed
     torch.testing.assert_close(by_id, model.get_input_embeddings(ids, embeds, is_multimodal=mask))
+    model.placeholder_token_id = None
+    with pytest.raises(ValueError, match="placeholder_token_id"):
+        model.get_input_embeddings(ids, embeds)
 
 
 def test_batch_of_four_equals_each_alone(fuyu):

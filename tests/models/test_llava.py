@@ -132,11 +132,11 @@ def test_feature_layer_list_concatenates_the_layers(tmp_path):
     with torch.no_grad():
         ours = model.get_multimodal_embeddings(pixel_values=pixel_values)
         clip = HFCLIPVisionModel(model.config.vision_config).eval()
-        prefix = "vision_tower."
+        prefix = "vision_tower.vision_model."  # the hub layout; transformers 5's CLIP has no vision_model level
         result = clip.load_state_dict(
             {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}, strict=False
         )
-        assert not result.unexpected_keys and set(result.missing_keys) <= {"vision_model.embeddings.position_ids"}
+        assert not result.unexpected_keys and set(result.missing_keys) <= {"embeddings.position_ids"}
         states = clip(pixel_values, output_hidden_states=True).hidden_states
         features = torch.cat([states[i][:, 1:] for i in layers], dim=-1)
         w = {k.split("multi_modal_projector.")[1]: v for k, v in weights.items() if "projector" in k}

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from transformers import AutoProcessor, BatchFeature, LlavaProcessor
+from transformers.image_utils import SizeDict
 
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal import context as context_module
@@ -72,11 +73,11 @@ def test_constructor_keys_go_to_the_constructor_and_call_keys_to_the_call(tiny_l
         return original(*args, **kwargs)
 
     monkeypatch.setattr(context_module.AutoProcessor, "from_pretrained", recording)
-    config = {"vision_feature_select_strategy": "full", "do_normalize": False, "do_convert_rgb": False}
+    config = {"vision_feature_select_strategy": "full", "do_normalize": False}
     processor, ours = call(context(tiny_llava_dir, **config), image)
-    # do_normalize is a call option (images_kwargs); do_convert_rgb only the image processor's __init__ names
-    assert loads == [{}, {"vision_feature_select_strategy": "full", "do_convert_rgb": False}]
-    assert processor.vision_feature_select_strategy == "full" and processor.image_processor.do_convert_rgb is False
+    # vision_feature_select_strategy: only LlavaProcessor's __init__ names it; do_normalize is a call option
+    assert loads == [{}, {"vision_feature_select_strategy": "full"}]
+    assert processor.vision_feature_select_strategy == "full"
     assert processor.image_processor.do_normalize is True  # not set on the instance: given at the call
     monkeypatch.undo()
     hf_processor = AutoProcessor.from_pretrained(tiny_llava_dir, vision_feature_select_strategy="full")
@@ -101,15 +102,16 @@ def test_a_request_overrides_the_config_key_by_key(tiny_llava_dir, image):
 def test_fuyu_patch_size_from_the_config_changes_the_layout_as_hf(tiny_fuyu_dir, image):
     """Fuyu's patch size belongs to its image processor: from_pretrained routes it there, and the
     model's prompt updates (which read the image processor) follow, cached or not."""
-    patch = {"height": 16, "width": 16}
+    patch = SizeDict(height=16, width=16)  # transformers 5 checks the type: a plain dict is refused
     hf_processor = AutoProcessor.from_pretrained(tiny_fuyu_dir, patch_size=patch)
     hf_ids = hf_processor(text="Hi", images=image, return_tensors="pt")["input_ids"][0].tolist()
     width, height = image[0].size
-    rows, columns = math.ceil(height / patch["height"]), math.ceil(width / patch["width"])
+    rows, columns = math.ceil(height / patch.height), math.ceil(width / patch.width)
     speaker, newline = (hf_processor.tokenizer.convert_tokens_to_ids(t) for t in ("|SPEAKER|", "|NEWLINE|"))
     assert (hf_ids.count(speaker), hf_ids.count(newline)) == (rows * columns, rows)
     for cache_gb in (0, 1):
-        processor = make(tiny_fuyu_dir, mm_processor_cache_gb=cache_gb, mm_processor_kwargs={"patch_size": patch})
+        as_json = {"height": 16, "width": 16}  # as a CLI or server user writes it: we make it a SizeDict
+        processor = make(tiny_fuyu_dir, mm_processor_cache_gb=cache_gb, mm_processor_kwargs={"patch_size": as_json})
         out = processor.apply("Hi", {"image": image})
         assert out["prompt_token_ids"] == hf_ids
         (placeholder,) = out["mm_placeholders"]["image"]

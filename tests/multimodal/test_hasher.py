@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from transformers.image_utils import SizeDict
 
 from tessera.multimodal.hasher import MultiModalHasher
 
@@ -87,6 +88,8 @@ DIFFERENT = {
     "nested_list": (lambda: [[1, 2], [3]], lambda: [[1], [2, 3]]),
     "nested_dict": (lambda: {"a": {"b": [1]}}, lambda: {"a": {"b": [2]}}),
     "dict_key_type": (lambda: {1: "x"}, lambda: {"1": "x"}),
+    "size_dict": (lambda: SizeDict(height=16, width=16), lambda: SizeDict(height=16, width=8)),
+    "size_dict_vs_dict": (lambda: SizeDict(height=16, width=16), lambda: {"height": 16, "width": 16}),
 }
 
 
@@ -125,6 +128,11 @@ def test_moving_a_value_between_keys_changes_the_hash():
 def test_unsupported_object_raises_typeerror(value):
     with pytest.raises(TypeError, match="Cannot hash"):
         h(item=value)
+
+
+def test_equal_size_dicts_hash_equal():
+    """transformers 5 processors take sizes as SizeDict dataclasses (e.g. Fuyu's patch_size)."""
+    assert h(item=SizeDict(height=16, width=16)) == h(item=SizeDict(height=16, width=16))
 
 
 def test_palette_images_with_different_palettes_hash_differently():

@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from transformers import AutoProcessor
 
@@ -127,4 +128,5 @@ def test_guide_fuyu_file_works_unchanged(tiny_fuyu_dir, tmp_path, cache_gb):
     for prompt_form in (prompt, processor.info.get_tokenizer().encode(prompt)):
         out = processor.apply(prompt_form, {"image": images})
         assert out["prompt_token_ids"] == hf["input_ids"][0].tolist()
-        assert (out["mm_kwargs"]["image_patches"] == hf["image_patches"][0]).all()
+        hf_patches = hf["image_patches"]  # transformers 5: the prompt's patches, [patches, patch_dim]
+        assert torch.equal(out["mm_kwargs"]["image_patches"].reshape(hf_patches.shape), hf_patches)

@@ -140,7 +140,7 @@ def test_generation_stitches_text_and_image_embeddings_in_order(plugins, colourf
     assert type(pipeline).calls[-1] == [im.size for im in images]
 
     tokenizer = AutoTokenizer.from_pretrained(colourful_model)
-    hf = LlamaForCausalLM.from_pretrained(colourful_model, torch_dtype=torch.float32)
+    hf = LlamaForCausalLM.from_pretrained(colourful_model, dtype=torch.float32)
     embed = hf.get_input_embeddings()
     start = tokenizer.encode("<s>", add_special_tokens=False)
     pieces = []

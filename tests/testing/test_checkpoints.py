@@ -111,12 +111,7 @@ def test_fuyu_processor_layout_matches_first_principles(tiny_fuyu_dir, height, w
     image_part = ([speaker] * cols + [newline]) * rows
     prompt = tok("What colour?", add_special_tokens=False).input_ids
     assert ids == image_part + [tok.vocab["<s>"]] + prompt + [tok.vocab["<0x04>"]]
-    assert [p.shape for p in inputs.image_patches] == [(1, rows * cols, 8 * 8 * 3)]
-    patch_number = iter(range(rows * cols))
-    image_indices = [next(patch_number) if t == speaker else -1 for t in image_part]
-    # HF quirk: the indices run processor.max_tokens_to_generate (10) positions past input_ids.
-    padded = image_indices + [-1] * (len(ids) - len(image_part) + processor.max_tokens_to_generate)
-    assert inputs.image_patches_indices[0].tolist() == padded
+    assert inputs.image_patches.shape == (rows * cols, 8 * 8 * 3)  # transformers 5: the prompt's patches
 
     model = FuyuForCausalLM.from_pretrained(tiny_fuyu_dir)
     with torch.no_grad():

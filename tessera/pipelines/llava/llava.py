@@ -90,7 +90,7 @@ class LlavaPipeline(AbstractMultimodalPipeline):
         self.projector_device = self._get_device("projector_device", params)
         self.projector_dtype = self._get_dtype("projector_bits", params)
         self.image_processor = CLIPImageProcessor.from_pretrained(vision_dir)
-        self.vision_tower = CLIPVisionModel.from_pretrained(vision_dir, torch_dtype=self.vision_dtype)
+        self.vision_tower = CLIPVisionModel.from_pretrained(vision_dir, dtype=self.vision_dtype)
         self.vision_tower.to(self.vision_device).eval()
         self.mm_projector = load_projector(Path(projector_path)).to(self.projector_device, self.projector_dtype).eval()
         config = self.vision_tower.config
