@@ -6,122 +6,64 @@ gathered blocks without reordering them). A sequence owns a list of blocks (its 
 a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`. One forward
 step carries new tokens of several sequences, flattened into one `[num_tokens, ...]` batch: whole
 prompts, prompt chunks whose earlier tokens are already cached, and single decode tokens alike.
-The engine's scheduler decides what runs; `AttentionMetadata` tells each layer where things are.
+The engine's scheduler decides what runs; `AttentionMetadata` (attention_metadata.py) tells each
+layer where things are. Per layer: an optional sliding window, logit soft-capping; per sequence
+(in the metadata): bidirectional spans. Masks follow HF transformers 5.23, see attention_metadata.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_metadata import AttentionMetadata, attention_metadata, get_attention_metadata
 
-@dataclass
-class AttentionMetadata:
-    """Where the tokens of one forward step go in the KV cache, and what each attends to."""
-
-    query_lens: list[int]
-    """New tokens of each sequence in this step (their queries are contiguous in the batch)."""
-
-    context_lens: list[int]
-    """Tokens of each sequence in the cache after this step (cached prefix + new tokens)."""
-
-    slot_mapping: torch.Tensor
-    """[num_tokens] cache slot of each new token."""
-
-    context_blocks: list[torch.Tensor]
-    """Per sequence, the blocks holding its context, in order."""
-
-    decode_rows: torch.Tensor
-    """[num_decode] batch rows of the sequences with a single new token, attended in one batch."""
-
-    decode_block_tables: torch.Tensor
-    """[num_decode, max_blocks] their block tables, padded with block 0."""
-
-    decode_mask: torch.Tensor
-    """[num_decode, max_blocks * block_size] True where a cache position holds one of their tokens."""
-
-    @staticmethod
-    def build(
-        query_lens: Sequence[int],
-        context_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        block_size: int,
-        device: torch.device | str = "cpu",
-    ) -> "AttentionMetadata":
-        context_blocks, new_slots = [], []
-        for query_len, context_len, blocks in zip(query_lens, context_lens, block_tables):
-            if query_len > context_len:
-                raise ValueError(f"query_len {query_len} exceeds context_len {context_len}")
-            if len(blocks) * block_size < context_len:
-                raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold {context_len} tokens")
-            positions = torch.arange(context_len)
-            slots = torch.as_tensor(blocks, dtype=torch.long)[positions // block_size] * block_size + (
-                positions % block_size
-            )
-            context_blocks.append(torch.as_tensor(blocks[: -(-context_len // block_size)], dtype=torch.long).to(device))
-            new_slots.append(slots[context_len - query_len :])
-        slot_mapping = torch.cat(new_slots).to(device) if new_slots else torch.empty(0, dtype=torch.long)
-        decode = [i for i, n in enumerate(query_lens) if n == 1]
-        starts = torch.tensor([0, *query_lens]).cumsum(0)
-        max_blocks = max((-(-context_lens[i] // block_size) for i in decode), default=0)
-        tables = torch.zeros(len(decode), max_blocks, dtype=torch.long)
-        for row, i in enumerate(decode):
-            used = -(-context_lens[i] // block_size)
-            tables[row, :used] = torch.as_tensor(block_tables[i][:used])
-        lens = torch.tensor([context_lens[i] for i in decode], dtype=torch.long)
-        mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
-        return AttentionMetadata(
-            list(query_lens),
-            list(context_lens),
-            slot_mapping,
-            context_blocks,
-            decode_rows=starts[decode].to(device),
-            decode_block_tables=tables.to(device),
-            decode_mask=mask.to(device),
-        )
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
-
-_metadata: Optional[AttentionMetadata] = None
-
-
-@contextmanager
-def attention_metadata(metadata: AttentionMetadata) -> Iterator[None]:
-    """Makes `metadata` visible to every attention layer during one forward step."""
-    global _metadata
-    previous, _metadata = _metadata, metadata
-    try:
-        yield
-    finally:
-        _metadata = previous
-
-
-def get_attention_metadata() -> AttentionMetadata:
-    if _metadata is None:
-        raise RuntimeError("No attention metadata: run the model inside `with attention_metadata(...)`")
-    return _metadata
+__all__ = ["AttentionMetadata", "PagedAttention", "attention_metadata", "get_attention_metadata"]
 
 
 class PagedAttention(nn.Module):
-    """Stores the step's keys/values in the cache, then attends each sequence over its context."""
+    """Stores the step's keys/values in the cache, then attends each sequence over its context.
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    `sliding_window`: a query at position p sees keys at p' > p - sliding_window only (HF's
+    `sliding_window_overlay`; 1 = itself only). `logits_soft_cap`: scores become
+    `cap * tanh(scores / cap)` after scaling, before masking and softmax (HF Gemma 2's eager
+    attention). Bidirectional spans come per sequence with the step's `AttentionMetadata`; every
+    layer honours them (and-ed with its window, as HF Gemma 3 does).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        *,
+        sliding_window: Optional[int] = None,
+        logits_soft_cap: Optional[float] = None,
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         # Bound by the runner (see kv_cache.py): [num_blocks, num_kv_heads, block_size, head_dim].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+
+    def extra_repr(self) -> str:
+        extra = f"num_heads={self.num_heads}, head_dim={self.head_dim}, num_kv_heads={self.num_kv_heads}"
+        if self.sliding_window is not None:
+            extra += f", sliding_window={self.sliding_window}"
+        if self.logits_soft_cap is not None:
+            extra += f", logits_soft_cap={self.logits_soft_cap}"
+        return extra
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]."""
@@ -138,10 +80,19 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         if len(metadata.decode_rows):
             out[metadata.decode_rows] = self._decode(q[metadata.decode_rows], metadata)
+        plain = self.sliding_window is None and self.logits_soft_cap is None and not metadata.bidirectional_spans
         start = 0
-        for query_len, context_len, blocks in zip(metadata.query_lens, metadata.context_lens, metadata.context_blocks):
+        for seq, (query_len, context_len, blocks) in enumerate(
+            zip(metadata.query_lens, metadata.context_lens, metadata.context_blocks)
+        ):
             if query_len > 1:
-                out[start : start + query_len] = self._prefill(q[start : start + query_len], blocks, context_len)
+                if plain:
+                    out[start : start + query_len] = self._prefill(q[start : start + query_len], blocks, context_len)
+                else:
+                    key_start, mask = metadata.prefill_mask(seq, self.sliding_window)
+                    out[start : start + query_len] = self._prefill_masked(
+                        q[start : start + query_len], blocks, context_len, key_start, mask
+                    )
             start += query_len
         return out
 
@@ -163,10 +114,42 @@ class PagedAttention(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask, scale=self.scale)
         return out.transpose(0, 1)
 
+    def _prefill_masked(
+        self, q: torch.Tensor, blocks: torch.Tensor, context_len: int, key_start: int, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """`_prefill` with a window, spans or soft-capping: q [n, H, D] over the keys from position
+        `key_start` on, `mask` [n, context_len - key_start] (None: causal) -> [n, H, D]."""
+        if mask is None and self.logits_soft_cap is None:
+            return self._prefill(q, blocks, context_len)
+        group, block_size = self.num_heads // self.num_kv_heads, self.k_cache.shape[2]
+        first_block = key_start // block_size  # gather only the blocks holding a visible key
+        skip, end = key_start - first_block * block_size, context_len - first_block * block_size
+        k, v = (
+            cache.index_select(0, blocks[first_block:]).transpose(0, 1).flatten(1, 2)[:, skip:end]
+            .to(q.dtype).repeat_interleave(group, dim=0)
+            for cache in (self.k_cache, self.v_cache)
+        )  # fmt: skip
+        query_len = q.shape[0]
+        if mask is None:  # causal, only soft-capped
+            mask = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device).tril(context_len - query_len)
+        q = q.transpose(0, 1)  # [H, n, D]
+        if self.logits_soft_cap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale).transpose(0, 1)
+        # SDPA has no soft-capping: scores by hand, a bounded number of query rows at a time
+        out, cap = torch.empty_like(q), self.logits_soft_cap
+        rows = max(1, (1 << 24) // (self.num_heads * k.shape[1]))
+        for row in range(0, query_len, rows):
+            scores = torch.matmul(q[:, row : row + rows], k.transpose(-1, -2)) * self.scale
+            scores = torch.tanh(scores / cap) * cap
+            scores = scores.masked_fill(~mask[row : row + rows], float("-inf"))
+            probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+            out[:, row : row + rows] = torch.matmul(probs, v)
+        return out.transpose(0, 1)
+
     def _decode(self, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """All single-token sequences at once, block by block: q [B, H, D] -> [B, H, D]."""
         batch, group = q.shape[0], self.num_heads // self.num_kv_heads
-        tables = metadata.decode_block_tables
+        tables, mask = metadata.decode_tables(self.sliding_window)
         num_blocks, block_size = tables.shape[1], self.k_cache.shape[2]
         # index_select: several times faster than advanced indexing on CPU
         k, v = (
@@ -175,7 +158,9 @@ class PagedAttention(nn.Module):
         )  # [B, blocks, Hkv, block_size, D]
         q = q.view(batch, 1, self.num_kv_heads, group, self.head_dim)  # heads of a kv group are adjacent
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [B, blocks, Hkv, group, block_size]
-        mask = metadata.decode_mask.view(batch, num_blocks, 1, 1, block_size)
+        if self.logits_soft_cap is not None:
+            scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
+        mask = mask.view(batch, num_blocks, 1, 1, block_size)
         scores = scores.masked_fill(~mask, float("-inf"))
         # softmax over every position of the sequence: blocks and offsets together
         scores = scores.permute(0, 2, 3, 1, 4).reshape(batch, self.num_kv_heads, group, -1).softmax(dim=-1)
