@@ -6,7 +6,7 @@ across sequences: `[num_tokens]` ids and positions, `[num_tokens, hidden]` activ
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -16,25 +16,31 @@ from tessera.layers.activations import get_activation
 from tessera.layers.attention import PagedAttention
 from tessera.layers.layernorm import RMSNorm
 from tessera.layers.linear import Linear, MergedLinear
-from tessera.layers.rotary import RotaryEmbedding
-from tessera.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
+from tessera.models.causal_lm import CausalLM, DecoderLayer, DecoderModel, MakeLayer, head_dim_of
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v projections (fused), rotary, paged attention (windowed on sliding layers), o_proj."""
+
     def __init__(
         self,
         config: LlamaConfig,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: nn.Module,
+        sliding_window: Optional[int] = None,
         *,
         qkv_bias: Optional[bool] = None,
         o_bias: Optional[bool] = None,
+        qk_norm: Optional[Callable[[int], nn.Module]] = None,
+        scale: Optional[float] = None,
     ) -> None:
         """`qkv_bias` / `o_bias`: the config's `attention_bias` unless a model says otherwise
-        (Qwen2 has biases on q, k and v only)."""
+        (Qwen2 has biases on q, k and v only). `qk_norm(head_dim)`: the per-head norm applied to q
+        and k before rotary (`q_norm`, `k_norm`: Qwen3, Gemma 3). `scale`: head_dim ** -0.5 unless
+        given (Gemma 3: query_pre_attn_scalar ** -0.5)."""
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = head_dim_of(config)
         bias = getattr(config, "attention_bias", False)
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shards = {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}
@@ -42,8 +48,16 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(
             self.num_heads * self.head_dim, config.hidden_size, bias=bias if o_bias is None else o_bias
         )
+        self.q_norm = qk_norm(self.head_dim) if qk_norm else None
+        self.k_norm = qk_norm(self.head_dim) if qk_norm else None
         self.rotary_emb = rotary_emb
-        self.attn = PagedAttention(self.num_heads, self.head_dim, self.num_kv_heads, scale=self.head_dim**-0.5)
+        self.attn = PagedAttention(
+            self.num_heads,
+            self.head_dim,
+            self.num_kv_heads,
+            scale=self.head_dim**-0.5 if scale is None else scale,
+            sliding_window=sliding_window,
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -51,18 +65,22 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v).reshape(num_tokens, -1))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """Gated MLP: down(act(gate(x)) * up(x)); `activation` defaults to the config's `hidden_act`."""
+
+    def __init__(self, config: LlamaConfig, activation: Optional[str] = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         shards = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
         self.gate_up_proj = MergedLinear(config.hidden_size, shards, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = get_activation(config.hidden_act)
+        self.act = get_activation(activation or config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -70,19 +88,32 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding, attention: type = LlamaAttention) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        rotary_emb: nn.Module,
+        sliding_window: Optional[int] = None,
+        attention: Callable[..., nn.Module] = LlamaAttention,
+    ) -> None:
         super().__init__()
-        self.self_attn = attention(config, rotary_emb)
+        self.self_attn = attention(config, rotary_emb, sliding_window)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaModel(DecoderModel):
-    def __init__(self, config: LlamaConfig) -> None:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    """Llama's decoder; the Llama-shaped models (Qwen2, Qwen3, Mistral) pass their own layers or
+    windows."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        make_layer: MakeLayer = LlamaDecoderLayer,
+        windows: Optional[list[Optional[int]]] = None,
+    ) -> None:
         make_norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
-        super().__init__(config, head_dim, LlamaDecoderLayer, "norm", make_norm)
+        super().__init__(config, make_layer, "norm", make_norm, windows=windows)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -1,11 +1,13 @@
 """Persimmon decoder (Fuyu's language model). Module names mirror Hugging Face's.
 
 Differences from Llama: fused query_key_value laid out per head as (q, k, v), LayerNorm on q and
-k per head, rotary on the first `partial_rotary_factor` of each head, LayerNorm with bias, and a
-squared-ReLU MLP.
+k per head, rotary on the first `rope_parameters["partial_rotary_factor"]` of each head, LayerNorm
+with bias, and a squared-ReLU MLP.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -14,12 +16,11 @@ from transformers import PersimmonConfig
 from tessera.layers.activations import get_activation
 from tessera.layers.attention import PagedAttention
 from tessera.layers.linear import Linear
-from tessera.layers.rotary import RotaryEmbedding
 from tessera.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 
 
 class PersimmonAttention(nn.Module):
-    def __init__(self, config: PersimmonConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: PersimmonConfig, rotary_emb: nn.Module) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.hidden_size // self.num_heads
@@ -54,8 +55,8 @@ class PersimmonMLP(nn.Module):
 
 
 class PersimmonDecoderLayer(DecoderLayer):
-    def __init__(self, config: PersimmonConfig, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__()
+    def __init__(self, config: PersimmonConfig, rotary_emb: nn.Module, sliding_window: Optional[int] = None) -> None:
+        super().__init__()  # sliding_window: always None, Persimmon configs have no layer_types
         self.self_attn = PersimmonAttention(config, rotary_emb)
         self.mlp = PersimmonMLP(config)
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -64,9 +65,8 @@ class PersimmonDecoderLayer(DecoderLayer):
 
 class PersimmonModel(DecoderModel):
     def __init__(self, config: PersimmonConfig) -> None:
-        head_dim = config.hidden_size // config.num_attention_heads
         make_norm = lambda: nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)  # noqa: E731
-        super().__init__(config, head_dim, PersimmonDecoderLayer, "final_layernorm", make_norm)
+        super().__init__(config, PersimmonDecoderLayer, "final_layernorm", make_norm)
 
 
 class PersimmonForCausalLM(CausalLM):

@@ -19,12 +19,18 @@ _BUILTIN_MODELS = {
     "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
     "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",
     "Qwen2ForCausalLM": "tessera.models.qwen2:Qwen2ForCausalLM",
+    "MistralForCausalLM": "tessera.models.mistral:MistralForCausalLM",
+    "Qwen3ForCausalLM": "tessera.models.qwen3:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "tessera.models.gemma3:Gemma3ForCausalLM",
 }
 # Language models a multimodal model builds on, by its text_config.model_type.
 _BUILTIN_TEXT_MODELS = {
     "llama": "tessera.models.llama:LlamaForCausalLM",
     "persimmon": "tessera.models.persimmon:PersimmonForCausalLM",
     "qwen2": "tessera.models.qwen2:Qwen2ForCausalLM",
+    "mistral": "tessera.models.mistral:MistralForCausalLM",
+    "qwen3": "tessera.models.qwen3:Qwen3ForCausalLM",
+    "gemma3_text": "tessera.models.gemma3:Gemma3ForCausalLM",
 }
 
 

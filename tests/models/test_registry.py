@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, MistralConfig, PersimmonConfig
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, PersimmonConfig
 from transformers import LlavaForConditionalGeneration as HFLlava
 
 from tessera import ModelRegistry
@@ -63,7 +63,7 @@ def test_register_text_model_and_unknown_text_model_types():
 
     assert ModelRegistry.resolve_text_model_cls(SimpleNamespace(model_type="test-text-by-string")) is OrderedDict
     with pytest.raises(ValueError, match="register_text_model"):
-        ModelRegistry.resolve_text_model_cls(MistralConfig())
+        ModelRegistry.resolve_text_model_cls(SimpleNamespace(model_type="not-a-registered-type"))
     with pytest.raises(ValueError, match="must be a class or a 'module.path:ClassName'"):
         ModelRegistry.register_text_model("test-text-bad", 42)
 
