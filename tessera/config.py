@@ -181,6 +181,10 @@ class SchedulerConfig:
     """Vision-encoder budget of one step, in embedding rows; None: max_num_batched_tokens (or the
     largest item, if larger)."""
 
+    disable_chunked_mm_input: bool = False
+    """Never split an item across prefill chunks (a chunk stops before an item that does not fit
+    whole). Always on for models whose item tokens attend to each other both ways (Gemma 3)."""
+
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:

@@ -27,6 +27,7 @@ class EngineLimits:
     max_model_len: int
     encoder_rows: int  # the most encoder rows one item may need (encoder budget and cache)
     kv_tokens: int  # tokens the whole KV cache holds
+    whole_item_tokens: Optional[int] = None  # items are never split across chunks: the step's token budget
 
 
 class InputPreprocessor:
@@ -101,6 +102,12 @@ class InputPreprocessor:
                     f"A {item.modality} needs {item.num_embeds} encoder rows but the encoder budget is "
                     f"{limits.encoder_rows}; raise max_num_encoder_input_tokens / encoder_cache_size or send a "
                     "smaller item."
+                )
+            if limits.whole_item_tokens is not None and item.end - item.start > limits.whole_item_tokens:
+                raise InputError(
+                    f"A {item.modality} takes {item.end - item.start} prompt tokens, which this model prefills in "
+                    f"one step, but a step holds {limits.whole_item_tokens}; raise max_num_batched_tokens or "
+                    "send a smaller item."
                 )
         needed = min(num_tokens + (params.max_tokens or limits.max_model_len), limits.max_model_len)
         if needed > limits.kv_tokens:

@@ -67,6 +67,8 @@ class LLMEngine:
             num_blocks, cache_config.block_size, enable_prefix_caching=cache_config.enable_prefix_caching
         )
         self.encoder_cache = encoder_cache
+        if getattr(self.model, "is_mm_prefix_lm", False):  # a chunk ending inside an image lacks its later tokens
+            scheduler_config.disable_chunked_mm_input = True
         self.scheduler = Scheduler(
             scheduler_config, self.block_manager, encoder_cache, self.encoder_budget, self.max_model_len
         )
@@ -81,6 +83,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             encoder_rows=min(self.encoder_budget, encoder_cache.capacity),
             kv_tokens=num_blocks * cache_config.block_size,
+            whole_item_tokens=(
+                scheduler_config.max_num_batched_tokens if scheduler_config.disable_chunked_mm_input else None
+            ),
         )
         get_placeholder = getattr(type(self.model), "get_placeholder_str", None)
         self.input_preprocessor = InputPreprocessor(

@@ -17,11 +17,13 @@ from ..layers.cpu_kernels import describe_cpu_kernels
 from ..layers.kv_cache import allocate_kv_cache
 from ..layers.linear import pack_linears_for_cpu
 from ..layers.sampler import SamplerOutput, sample
-from ..models.interfaces import supports_multimodal
+from ..models.interfaces import supports_mrope, supports_multimodal
+from ..models.mrope_positions import decode_positions
 from ..multimodal.inputs import MultiModalKwargs
 from ..multimodal.utils import group_by_modality
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
+from .request import Request
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,8 @@ class ModelRunner:
         self, model: torch.nn.Module, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: str
     ) -> None:
         self.model, self.block_size, self.device = model, block_size, device
+        self.uses_mrope = supports_mrope(model)
+        self.is_mm_prefix_lm = bool(getattr(model, "is_mm_prefix_lm", False))
         allocate_kv_cache(model, num_blocks, block_size, dtype, device)
         if torch.device(device).type == "cpu":
             logger.info(describe_cpu_kernels())
@@ -45,13 +49,13 @@ class ModelRunner:
         computed tokens reach their end (chunks in the middle of a prompt sample nothing)."""
         self._encode(out, encoder_cache)
         ids: list[int] = []
-        positions: list[int] = []
+        positions: list[torch.Tensor] = []  # per request: [n] or, for M-RoPE, [3, n]
         is_multimodal, rows, sampling = [], [], []
         for step in out.scheduled:
             request, start = step.request, step.request.num_computed_tokens
             end = start + step.num_new_tokens
             ids += request.all_token_ids[start:end]
-            positions += range(start, end)
+            positions.append(self._positions(request, start, end))
             mask = torch.zeros(end - start, dtype=torch.bool)
             for item in request.items_overlapping(start, end):
                 item_mask, item_rows = item.embed_rows(start, end)
@@ -68,6 +72,7 @@ class ModelRunner:
             [block_manager.blocks_of(s.request) for s in out.scheduled],
             self.block_size,
             self.device,
+            bidirectional_spans=[_item_spans(s.request) for s in out.scheduled] if self.is_mm_prefix_lm else None,
         )
         input_ids = torch.tensor(ids, device=self.device)
         if supports_multimodal(self.model):
@@ -76,7 +81,7 @@ class ModelRunner:
         else:
             inputs_embeds = self.model.get_input_embeddings(input_ids)
         with attention_metadata(metadata):
-            hidden = self.model(None, torch.tensor(positions, device=self.device), inputs_embeds=inputs_embeds)
+            hidden = self.model(None, torch.cat(positions, dim=-1).to(self.device), inputs_embeds=inputs_embeds)
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[[row for row, _ in sampling]])  # [num_sampling, vocab]
@@ -87,6 +92,21 @@ class ModelRunner:
             request.request_id: (token, logprobs)
             for (_, request), token, logprobs in zip(sampling, result.token_ids, result.logprobs)
         }
+
+    def _positions(self, request: Request, start: int, end: int) -> torch.Tensor:
+        """Positions of tokens start..end-1: [n], or [3, n] for an M-RoPE model (the prompt's from
+        the model, computed on the request's first step; generated tokens 1-D after the delta)."""
+        if not self.uses_mrope:
+            return torch.arange(start, end)
+        if request.mrope_positions is None:
+            request.mrope_positions, request.mrope_position_delta = self.model.get_mrope_input_positions(
+                request.prompt_token_ids, request.mm_items
+            )
+        prompt_len = request.num_prompt_tokens
+        parts = [request.mrope_positions[:, start : min(end, prompt_len)]]
+        if end > prompt_len:
+            parts.append(decode_positions(max(start, prompt_len), end, request.mrope_position_delta))
+        return torch.cat(parts, dim=1)
 
     def _encode(self, out: SchedulerOutput, encoder_cache: EncoderCache) -> None:
         """Run the encoder once per new item: one call per run of consecutive items of one
@@ -104,3 +124,10 @@ class ModelRunner:
                         f"{item.num_embeds} placeholder positions"
                     )
                 encoder_cache.put(item.hash, item_embeddings, out.encoder_users[item.hash])
+
+
+def _item_spans(request: Request) -> list[tuple[int, int]]:
+    """The runs of item tokens that attend to each other (prefix-LM models), one set per item: the
+    scheduler keeps each item whole in a chunk. (HF groups touching runs of two items into one;
+    prefix-LM prompts never have them, Gemma 3 wraps each image in its begin/end tokens.)"""
+    return [span for item in request.mm_items for span in item.embed_spans()]

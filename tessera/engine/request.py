@@ -48,6 +48,33 @@ class MultiModalItem:
     def num_embeds(self) -> int:
         return self.placeholder.get_num_embeds()
 
+    # vLLM's MultiModalFeatureSpec names, which model files (get_mrope_input_positions) read
+    @property
+    def data(self) -> MultiModalKwargsItem:
+        return self.kwargs
+
+    @property
+    def identifier(self) -> str:
+        return self.hash
+
+    @property
+    def mm_position(self) -> PlaceholderRange:
+        return self.placeholder
+
+    def embed_spans(self) -> list[tuple[int, int]]:
+        """[start, end) prompt positions of the runs of tokens that take this item's embeddings."""
+        is_embed = self.placeholder.is_embed
+        if is_embed is None:
+            return [(self.start, self.end)]
+        spans, run_start = [], None
+        for i, flag in enumerate([*is_embed.tolist(), False]):
+            if flag and run_start is None:
+                run_start = i
+            elif not flag and run_start is not None:
+                spans.append((self.start + run_start, self.start + i))
+                run_start = None
+        return spans
+
     def embed_rows(self, start: int, end: int) -> tuple[torch.Tensor, slice]:
         """For prompt positions [start, end) overlapping this item: the mask of positions that take
         an embedding, and the slice of the item's embedding rows that they take."""
@@ -88,6 +115,10 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
+        # M-RoPE models: the prompt's [3, P] positions and the decode delta, computed once (the
+        # model runner does, on first schedule) and kept through preemption and recomputation.
+        self.mrope_positions: Optional[torch.Tensor] = None
+        self.mrope_position_delta = 0
         self.generator: Optional[torch.Generator] = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)

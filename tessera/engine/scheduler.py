@@ -132,6 +132,8 @@ class Scheduler:
                 break
             step.encode.append(item)
             budget_left -= item.num_embeds
+        if self.config.disable_chunked_mm_input:
+            step.num_new_tokens = self._stop_before_split_item(request, start, step.num_new_tokens)
         if step.num_new_tokens == 0:
             return None
         end = start + step.num_new_tokens
@@ -139,6 +141,16 @@ class Scheduler:
         step.cached = [item for item in step.cached if item.start < end]
         step.shared = [i.hash for i in request.items_overlapping(start, end) if i.hash in encoding]
         return step
+
+    @staticmethod
+    def _stop_before_split_item(request: Request, start: int, num_new: int) -> int:
+        """`num_new` cut so the chunk does not end inside an item: before the item, or nothing if
+        the chunk starts inside it (a prefix-cache hit) and cannot reach its end."""
+        end = start + num_new
+        for item in request.items_overlapping(start, end):
+            if item.end > end:
+                return max(0, item.start - start)
+        return num_new
 
     def _commit(self, step: ScheduledRequest, encoding: dict[str, set[str]], scheduled: list) -> None:
         for item in step.encode:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import ClassVar, Literal, Optional, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import torch
 from torch import nn
 
 from .utils import MultiModalEmbeddings, merge_multimodal_embeddings, merge_multimodal_embeddings_by_mask
 
-__all__ = ["MultiModalEmbeddings", "SupportsMultiModal", "supports_multimodal"]
+__all__ = ["MultiModalEmbeddings", "SupportsMRoPE", "SupportsMultiModal", "supports_mrope", "supports_multimodal"]
 
 
 class SupportsMultiModal:
@@ -19,6 +19,10 @@ class SupportsMultiModal:
     supports_multimodal: ClassVar[Literal[True]] = True
 
     multimodal_parts: ClassVar[Mapping[str, str]] = {}
+
+    is_mm_prefix_lm: ClassVar[bool] = False
+    """The tokens of one item attend to each other both ways (Gemma 3, PaliGemma): the engine
+    passes each prompt's item spans to attention and never splits an item across prefill chunks."""
     """Attribute names of the parts that may get their own dtype and device, under the keys
     "vision" (the vision tower) and "projector"."""
 
@@ -66,3 +70,23 @@ class SupportsMultiModal:
 
 def supports_multimodal(model: Union[type, object]) -> bool:
     return getattr(model, "supports_multimodal", False) is True
+
+
+class SupportsMRoPE:
+    """A model whose positions are three-axis M-RoPE indices [3, T] (Qwen2-VL and successors), as
+    vLLM's interface: the engine asks once per request for its prompt's positions and carries the
+    delta into decoding (token i >= prompt length sits at i + delta on every axis)."""
+
+    supports_mrope: ClassVar[Literal[True]] = True
+
+    def get_mrope_input_positions(
+        self, input_tokens: list[int], mm_features: Sequence[Any]
+    ) -> tuple[torch.Tensor, int]:
+        """([3, len(input_tokens)] positions of the prompt, delta). `mm_features`: the prompt's
+        items in prompt order, each with `.modality`, `.identifier`, `.mm_position` (its
+        PlaceholderRange) and `.data` (its MultiModalKwargsItem), as vLLM's MultiModalFeatureSpec."""
+        raise NotImplementedError
+
+
+def supports_mrope(model: Union[type, object]) -> bool:
+    return getattr(model, "supports_mrope", False) is True

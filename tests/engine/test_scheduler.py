@@ -31,10 +31,14 @@ def make_request(request_id, num_tokens, images=(), max_tokens=2):
 
 
 class Harness:
-    def __init__(self, *, budget=64, encoder_budget=16, encoder_cache=None, num_blocks=64, max_num_seqs=64):
+    def __init__(
+        self, *, budget=64, encoder_budget=16, encoder_cache=None, num_blocks=64, max_num_seqs=64, whole_items=False
+    ):
         self.blocks = BlockManager(num_blocks, BS)
         self.cache = EncoderCache(encoder_cache or encoder_budget)
-        config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+        config = SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, disable_chunked_mm_input=whole_items
+        )
         self.scheduler = Scheduler(config, self.blocks, self.cache, encoder_budget)
         self.encoded: list[str] = []  # item hashes, in the order the encoder ran them
         self.chunks: list[tuple[str, int, int]] = []  # (request id, start, end) of every scheduled piece
@@ -120,6 +124,25 @@ def test_an_image_is_encoded_once_while_its_placeholders_span_chunks():
     assert harness.encoded == ["img"]
     image_chunks = [(start, end) for _, start, end in harness.chunks if start < 19 and end > 3]
     assert image_chunks == [(0, 7), (7, 14), (14, 21)]
+
+
+def test_with_whole_items_a_chunk_stops_before_an_image_it_cannot_hold_whole():
+    harness = Harness(budget=7, encoder_budget=16, whole_items=True)
+    request = make_request("a", 30, images=[("img", 3, 6), ("big", 12, 7)])
+    harness.add(request)
+    harness.run()
+    chunks = [(start, end) for _, start, end in harness.chunks if start < 30]
+    assert chunks[:4] == [(0, 3), (3, 10), (10, 12), (12, 19)]  # each image in one chunk, text cut before it
+    assert all(not (3 < end < 9 or 12 < end < 19) for _, end in chunks)
+
+
+def test_with_whole_items_a_cached_prefix_inside_an_image_computes_the_rest_of_it_at_once():
+    harness = Harness(budget=8, whole_items=True)
+    harness.add(make_request("a", 12, images=[("img", 2, 8)], max_tokens=1))
+    harness.run()
+    again = make_request("a2", 12, images=[("img", 2, 8)])  # 2 full blocks cached: the hit ends inside the image
+    harness.add(again)
+    assert planned(harness.step()) == [("a2", 12 - 2 * BS)]
 
 
 def test_a_chunk_stops_before_an_image_that_does_not_fit_the_encoder_budget_left():

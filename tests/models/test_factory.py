@@ -41,3 +41,20 @@ def test_unsupported_architectures_fail_even_in_pipeline_mode(tmp_path, tiny_lla
     config = ModelConfig(str(tmp_path), device="cpu", multimodal_config=MultiModalConfig(multimodal_pipeline="auto"))
     with pytest.raises(ValueError, match="not supported"):
         build_model(config, tokenizer=None)
+
+
+def test_an_mrope_config_is_refused_for_a_model_without_mrope(tmp_path):
+    """A Qwen2-VL-shaped rope (three-axis mrope_section) on a plain Qwen2 text model would run with 1-D
+    positions and give wrong outputs: refused at load, naming the interface it lacks."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tessera.testing import build_tiny_text_model
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    folder = build_tiny_text_model(tmp_path / "m", Qwen2ForCausalLM, Qwen2Config, rope_parameters=rope)
+    config = ModelConfig(str(folder), device="cpu")
+    with pytest.raises(ValueError, match="M-RoPE.*SupportsMRoPE"):
+        build_model(config, load_tokenizer(config))
+    plain = build_tiny_text_model(tmp_path / "plain", Qwen2ForCausalLM, Qwen2Config)
+    config = ModelConfig(str(plain), device="cpu")
+    assert type(build_model(config, load_tokenizer(config)).model).__name__ == "Qwen2ForCausalLM"
