@@ -52,7 +52,6 @@ class AttentionMetadata:
     """Per sequence, the [start, end) spans that change what this step's queries see (spans with a
     token after some query of the step); empty lists (or no lists) for plain causal attention."""
 
-
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
     """Masks already built this step, by (what, sequence or None, window)."""
 

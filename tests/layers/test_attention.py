@@ -144,9 +144,7 @@ def variant_layer(variant, num_blocks=64, block_size=4):
 
 def expected(seq, variant):
     q, k, v = seq["qkv"]
-    return full_reference(
-        q, k, v, variant.get("sliding_window"), seq.get("spans", ()), variant.get("logits_soft_cap")
-    )
+    return full_reference(q, k, v, variant.get("sliding_window"), seq.get("spans", ()), variant.get("logits_soft_cap"))
 
 
 def make_seqs(lengths, spans=None, seed=0):

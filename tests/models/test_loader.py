@@ -245,7 +245,8 @@ def test_transformers_4_52_names_load_to_the_same_weights(name, folder):
 def test_transformers_5_llava_names_load_to_the_same_weights(llava_folder):
     """5.x saves LLaVA's CLIP tower without the hub's "vision_model." level (and nests under "model.")."""
     original = read_weights(llava_folder)
-    for old, new in (("vision_tower.vision_model.", "vision_tower."), ("vision_tower.vision_model.", "model.vision_tower.")):
+    hub = "vision_tower.vision_model."
+    for old, new in ((hub, "vision_tower."), (hub, "model.vision_tower.")):
         renamed = {new + k[len(old) :] if k.startswith(old) else k: v for k, v in original.items()}
         assert set(renamed) != set(original)
         write_weights(llava_folder, renamed)

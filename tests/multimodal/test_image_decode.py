@@ -9,10 +9,10 @@ import warnings
 import zlib
 
 import numpy as np
-from transformers.image_utils import ChannelDimension, infer_channel_dimension_format
 import pytest
 from PIL import Image, ImageFile, ImageOps
 from transformers import CLIPImageProcessor
+from transformers.image_utils import ChannelDimension, infer_channel_dimension_format
 from transformers.image_utils import load_image as hf_load_image
 
 from tessera.errors import InputError, InputTooLargeError

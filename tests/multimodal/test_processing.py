@@ -9,7 +9,6 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.multimodal.inputs import nested_tensors_equal
 from tessera.multimodal.prompt_updates import PromptIndexTargets, PromptInsertion, PromptReplacement
 from tessera.testing import IMAGE_SIZES as SIZES
 from tessera.testing import LLAVA_PROMPTS, build_tiny_llava, random_images
