@@ -89,8 +89,9 @@ class ModelConfig:
     dtype: "str | torch.dtype" = "auto"
     """Language model dtype; "auto" takes config.json's dtype (float32 if absent)."""
 
-    device: Optional[str] = None
-    """Device of the language model; None: cuda if available, else cpu."""
+    device: Optional[str] = "auto"
+    """Device of the language model ("cpu", "cuda", "cuda:1"...); "auto" (or None): cuda if
+    available, else cpu."""
 
     vision_dtype: "Optional[str | torch.dtype]" = None
     """Dtype of the vision tower; None: the language model's."""
@@ -120,9 +121,9 @@ class ModelConfig:
         self.dtype = parse_dtype(self.dtype)
         self.vision_dtype = parse_dtype(self.vision_dtype or self.dtype, "vision_dtype")
         self.projector_dtype = parse_dtype(self.projector_dtype or self.dtype, "projector_dtype")
-        self.device = self.device or default_device()
-        self.vision_device = self.vision_device or self.device
-        self.projector_device = self.projector_device or self.device
+        self.device = default_device() if self.device in (None, "auto") else self.device
+        self.vision_device = self.device if self.vision_device in (None, "auto") else self.vision_device
+        self.projector_device = self.device if self.projector_device in (None, "auto") else self.projector_device
 
     @property
     def architectures(self) -> list[str]:

@@ -31,7 +31,9 @@ def sample(
     for row, (p, generator) in enumerate(zip(params, generators)):
         if not p.greedy:
             probs = _filtered_probs(logits[row] / p.temperature, p)
-            tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
+            if generator is not None and generator.device != probs.device:
+                probs = probs.cpu()  # a seeded request's generator is a CPU one: the same samples on any device
+            tokens[row] = int(torch.multinomial(probs, 1, generator=generator)[0])
     token_ids = tokens.tolist()
     logprobs: list[Optional[dict[int, float]]] = [None] * len(params)
     wanted = [row for row, p in enumerate(params) if p.logprobs is not None]
