@@ -58,3 +58,29 @@ def test_an_mrope_config_is_refused_for_a_model_without_mrope(tmp_path):
     plain = build_tiny_text_model(tmp_path / "plain", Qwen2ForCausalLM, Qwen2Config)
     config = ModelConfig(str(plain), device="cpu")
     assert type(build_model(config, load_tokenizer(config)).model).__name__ == "Qwen2ForCausalLM"
+
+
+def test_an_mrope_config_builds_a_model_that_supports_mrope(tmp_path):
+    """The same config is accepted by a model class that declares SupportsMRoPE: its layers then
+    rotate by three-axis positions."""
+    import json
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tessera import ModelRegistry
+    from tessera.layers.mrope import MRotaryEmbedding
+    from tessera.models.interfaces import SupportsMRoPE
+    from tessera.models.qwen2 import Qwen2ForCausalLM as TesseraQwen2
+    from tessera.testing import build_tiny_text_model
+
+    class MRoPEQwen2(TesseraQwen2, SupportsMRoPE):
+        pass
+
+    ModelRegistry.register_model("MRoPEQwen2ForTest", MRoPEQwen2)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    folder = build_tiny_text_model(tmp_path / "m", Qwen2ForCausalLM, Qwen2Config, rope_parameters=rope)
+    config_json = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config_json, "architectures": ["MRoPEQwen2ForTest"]}))
+    config = ModelConfig(str(folder), device="cpu")
+    model = build_model(config, load_tokenizer(config)).model
+    assert isinstance(model.model.layers[0].self_attn.rotary_emb, MRotaryEmbedding)
