@@ -10,6 +10,8 @@ from typing import Any, Optional
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from .gguf_file import find_gguf_file, load_gguf_config
+
 DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -78,10 +80,12 @@ class MultiModalConfig:
 @dataclass
 class ModelConfig:
     model: str
-    """A local folder in Hugging Face format (config.json, weights, tokenizer and processor files)."""
+    """A local folder in Hugging Face format (config.json, weights, tokenizer and processor files),
+    or a GGUF file (llama.cpp's format: a ``.gguf`` file, or a folder with no config.json that holds
+    exactly one); see `tessera.gguf_file`."""
 
     tokenizer: Optional[str] = None
-    """Folder of the tokenizer, if not the model folder."""
+    """Folder of the tokenizer (or GGUF file), if not the model's."""
 
     trust_remote_code: bool = False
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
@@ -106,16 +110,24 @@ class ModelConfig:
 
     hf_config: PretrainedConfig = field(init=False)
 
+    gguf_file: Optional[str] = field(init=False, default=None)
+    """The GGUF file the model is read from, when `model` names one; None for a Hugging Face folder."""
+
     def __post_init__(self) -> None:
         folder = Path(self.model)
-        if not (folder / "config.json").is_file():
+        gguf_file = find_gguf_file(folder)
+        if gguf_file is None and not (folder / "config.json").is_file():
             raise ValueError(
                 f"Model folder {self.model!r} has no config.json; pass a local folder in Hugging Face "
-                "format (config.json + *.safetensors + tokenizer/processor files)."
+                "format (config.json + *.safetensors + tokenizer/processor files) or a .gguf file."
             )
         self.model = str(folder)
         self.tokenizer = self.tokenizer or self.model
-        self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+        if gguf_file is not None:
+            self.gguf_file = str(gguf_file)
+            self.hf_config = load_gguf_config(gguf_file, trust_remote_code=self.trust_remote_code)
+        else:
+            self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
         if self.dtype == "auto":
             self.dtype = getattr(self.hf_config, "dtype", None) or torch.float32
         self.dtype = parse_dtype(self.dtype)

@@ -162,12 +162,33 @@ def render_prompt(
     prompt = renderer.apply_chat_template(
         hf_messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
     )
+    prompt = without_template_bos(renderer, prompt)
     if not images:
         return {"prompt": prompt}
     engine_prompt = {"prompt": prompt, "multi_modal_data": {"image": images}}
     if uuids is not None and any(uuid is not None for uuid in uuids):
         engine_prompt["multi_modal_uuids"] = {"image": list(uuids)}
     return engine_prompt
+
+
+def without_template_bos(renderer: Any, prompt: str) -> str:
+    """`prompt` (a rendered chat template) without its leading BOS when tokenizing it adds one too,
+    so that the prompt holds one BOS, never two: as llama.cpp renders chats, and as HF's
+    ``apply_chat_template(tokenize=True)`` tokenizes them (adding no special tokens)."""
+    tokenizer = getattr(renderer, "tokenizer", None) or renderer
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or not prompt.startswith(bos) or not _adds_bos(tokenizer):
+        return prompt
+    return prompt[len(bos) :]
+
+
+def _adds_bos(tokenizer: Any) -> bool:
+    """Whether the tokenizer puts its BOS in front of the text it encodes."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos_id is None:
+        return False
+    with_special, plain = tokenizer.encode("a"), tokenizer.encode("a", add_special_tokens=False)
+    return len(with_special) > len(plain) and with_special[0] == bos_id
 
 
 def render_chat(

@@ -103,9 +103,10 @@ class LLMEngine:
         configs = (ModelConfig, CacheConfig, SchedulerConfig, MultiModalConfig)
         groups: dict[type, dict[str, Any]] = {c: {} for c in configs}
         renames = {"limit_mm_per_prompt": "limit_per_prompt"}
+        settable = {c: {f.name for f in dataclasses.fields(c) if f.init} for c in configs}  # not hf_config, gguf_file
         for name, value in options.items():
             name = renames.get(name, name)
-            owner = next((c for c in groups if name in c.__dataclass_fields__ and name != "hf_config"), None)
+            owner = next((c for c in groups if name in settable[c]), None)
             if owner is None:
                 raise ValueError(f"Unknown LLM option {name!r}")
             groups[owner][name] = value

@@ -2,6 +2,7 @@
 
 tessera generate "What colour is the circle?" --image photo.png
 tessera chat --model path/to/model
+tessera chat path/to/model.gguf
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from .. import DEMO_MODEL
+from ..gguf_file import find_gguf_file
 from ..multimodal.media import LOCAL_FILES, MediaPolicy, load_image_url
 from ..sampling_params import SamplingParams
 
@@ -32,13 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat = commands.add_parser("chat", help="chat in the terminal",
                                description="Chat with the model. Commands: /image PATH attaches an image to "
                                "the next message, /reset clears the history, /exit quits.")  # fmt: skip
+    _model_argument(chat)
     _common_options(chat)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible API and the web chat page",
                                 description="Serve /v1/chat/completions, /v1/completions, /v1/models, /tokenize, "
                                 "/health, /metrics and a chat page at /.")  # fmt: skip
-    serve.add_argument("--model", default=None, metavar="FOLDER",
-                       help="a local Hugging Face model folder (default: the bundled demo model)")  # fmt: skip
+    _model_argument(serve)
+    serve.add_argument("--model", default=None, metavar="MODEL", help=MODEL_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize")
@@ -108,9 +111,23 @@ def _pipeline_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             "pipeline_params": params}  # fmt: skip
 
 
+MODEL_HELP = "a local Hugging Face model folder or a .gguf file (default: the bundled demo model)"
+
+
+def _model_argument(parser: argparse.ArgumentParser) -> None:
+    """The model as an optional positional argument too, as `vllm serve MODEL` takes it."""
+    parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help=f"{MODEL_HELP}; or --model")
+
+
+def _model_of(args: argparse.Namespace) -> Optional[str]:
+    positional = getattr(args, "model_path", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise ValueError(f"Two models given: {positional} and --model {args.model}; pass one.")
+    return positional if positional is not None else args.model
+
+
 def _common_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, metavar="FOLDER",
-                        help="a local Hugging Face model folder (default: the bundled demo model)")  # fmt: skip
+    parser.add_argument("--model", default=None, metavar="MODEL", help=MODEL_HELP)
     _mm_processor_kwargs_option(parser)
     _pipeline_options(parser)
     parser.add_argument("--max-tokens", type=int, default=128, help="longest answer in tokens (default 128)")
@@ -123,7 +140,7 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
         return _serve(args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-        llm = _load(args.model, stdout, {**_pipeline_kwargs(args), **_mm_kwargs(args)})
+        llm = _load(_model_of(args), stdout, {**_pipeline_kwargs(args), **_mm_kwargs(args)})
         if args.command == "generate":
             messages = [_user_message(args.prompt, args.image)]
             _stream_answer(llm, messages, params, stdout)
@@ -138,16 +155,19 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
 
 
 def _model_folder(model: Optional[str]) -> Path:
+    """The model path: a Hugging Face folder, or a GGUF file (or a folder holding one)."""
     folder = Path(model) if model else DEMO_MODEL
-    if not (folder / "config.json").is_file():
+    if find_gguf_file(folder) is None and not (folder / "config.json").is_file():
         hint = "" if model else " (no demo model is bundled with this install)"
-        raise ValueError(f"{folder} is not a model folder: it has no config.json{hint}; pass --model FOLDER.")
+        raise ValueError(
+            f"{folder} is not a model folder: it has no config.json and no .gguf file{hint}; pass --model FOLDER."
+        )
     return folder
 
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        folder = _model_folder(args.model)
+        folder = _model_folder(_model_of(args))
         if args.allowed_media_dir is not None and not Path(args.allowed_media_dir).is_dir():
             raise ValueError(f"--allowed-media-dir {args.allowed_media_dir} is not a folder.")
         from .openai.api_server import serve

@@ -1,5 +1,6 @@
 """Loading a model from a local Hugging Face folder: the class from config.json, weights from
-safetensors (one file or a sharded index), every tensor checked by name and shape.
+safetensors (one file or a sharded index), every tensor checked by name and shape. A GGUF file's
+weights come de-quantized, under HF names, from `tessera.models.gguf`, and are checked the same way.
 
 Pickle checkpoints (.bin/.pt) can run arbitrary code when loaded, so they are refused unless the
 user allows them explicitly; even then they are read with `weights_only=True`.
@@ -8,7 +9,7 @@ user allows them explicitly; even then they are read with `weights_only=True`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -30,7 +31,14 @@ def load_model(model_config: ModelConfig, *, ignore_prefixes: tuple[str, ...] = 
     model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures)
     with torch.device("meta"):  # no memory, no random init: every tensor comes from the checkpoint
         model = model_cls(model_config.hf_config)
-    load_weights(model, model_config.model, allow_pickle=model_config.allow_pickle, ignore_prefixes=ignore_prefixes)
+    if model_config.gguf_file is not None:
+        from .gguf import iter_gguf_checkpoint
+
+        tensors = iter_gguf_checkpoint(model_config.gguf_file, model_config.hf_config, model_config.dtype)
+        load_tensors(model, tensors, model_config.gguf_file, ignore_prefixes=ignore_prefixes,
+                     described_by="its metadata")  # fmt: skip
+    else:
+        load_weights(model, model_config.model, allow_pickle=model_config.allow_pickle, ignore_prefixes=ignore_prefixes)
     place_parts(model, model_config)
     return model.eval()
 
@@ -51,13 +59,26 @@ def load_weights(
 ) -> None:
     """Assign every parameter and persistent buffer of `model` from the checkpoint in `folder`."""
     folder = Path(folder)
+    load_tensors(model, iter_checkpoint(folder, allow_pickle=allow_pickle), folder, ignore_prefixes=ignore_prefixes)
+
+
+def load_tensors(
+    model: nn.Module,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    source: str | Path,
+    *,
+    ignore_prefixes: tuple[str, ...] = (),
+    described_by: str = "config.json",
+) -> None:
+    """Assign every parameter and persistent buffer of `model` from (checkpoint name, tensor) pairs
+    read from `source` (named in errors; `described_by`: what gave the model's shapes)."""
     expected = model.state_dict(keep_vars=True)
     tied = _tied_names(model)
     shard_targets = _shard_targets(model)
     loaded: dict[str, torch.Tensor] = {}
     shards_missing = {fused: set(names) for fused, names in _shards_by_fused(shard_targets).items()}
     unexpected = []
-    for hf_name, tensor in iter_checkpoint(folder, allow_pickle=allow_pickle):
+    for hf_name, tensor in tensors:
         name = _rename(hf_name, getattr(model, "hf_to_tessera_prefixes", {}))
         if name.endswith(IGNORED_SUFFIXES) or hf_name.startswith(ignore_prefixes):
             continue
@@ -68,8 +89,8 @@ def load_weights(
         want = expected[fused][rows].shape
         if tuple(tensor.shape) != tuple(want):
             raise ValueError(
-                f"Weight {hf_name} in {folder} has shape {tuple(tensor.shape)}, but the model expects "
-                f"{tuple(want)}; config.json does not describe these weights."
+                f"Weight {hf_name} in {source} has shape {tuple(tensor.shape)}, but the model expects "
+                f"{tuple(want)}; {described_by} does not describe these weights."
             )
         if fused == name:
             loaded[name] = tensor
@@ -82,16 +103,16 @@ def load_weights(
         if names:
             loaded.pop(fused, None)
     for name, group in tied.items():  # e.g. lm_head tied to embed_tokens: one tensor serves all
-        source = next((n for n in group if n in loaded), None)
-        if source is not None:
-            loaded.update({n: loaded[source] for n in group})
+        present = next((n for n in group if n in loaded), None)
+        if present is not None:
+            loaded.update({n: loaded[present] for n in group})
     missing = [name for name in expected if name not in loaded]
     missing = [n for name in missing for n in (sorted(shards_missing.get(name, ())) or [name])]
     if missing:
-        raise ValueError(f"Missing weights in {folder}: {_listing(missing)}")
+        raise ValueError(f"Missing weights in {source}: {_listing(missing)}")
     if unexpected:
         raise ValueError(
-            f"Unexpected weights in {folder} that {type(model).__name__} has no place for: {_listing(unexpected)}"
+            f"Unexpected weights in {source} that {type(model).__name__} has no place for: {_listing(unexpected)}"
         )
     model.load_state_dict(loaded, strict=True, assign=True)
     _retie(model, tied)

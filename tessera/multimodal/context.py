@@ -25,6 +25,7 @@ from transformers import AutoProcessor, AutoTokenizer, BatchFeature, PretrainedC
 from transformers.image_utils import SizeDict
 
 from ..config import ModelConfig
+from ..gguf_file import find_gguf_file, load_gguf_tokenizer
 from .hf_compat import restore_legacy_layout
 
 logger = logging.getLogger(__name__)
@@ -313,4 +314,9 @@ def _quiet_logger(name: str):
 
 
 def load_tokenizer(model_config: ModelConfig) -> Any:
+    """The tokenizer of the model's folder (or of `model_config.tokenizer`); for a GGUF file, the
+    one transformers converts from it, with the file's special tokens and BOS / EOS flags enforced."""
+    gguf_file = find_gguf_file(model_config.tokenizer)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file, trust_remote_code=model_config.trust_remote_code)
     return AutoTokenizer.from_pretrained(model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)

@@ -7,6 +7,7 @@ from .checkpoints import (
     build_tiny_llava,
     build_tiny_text_model,
 )
+from .gguf import build_tiny_gguf
 from .inputs import IMAGE_SIZES, LLAVA_PROMPTS, png_bytes, random_images
 from .tokenizer import CHATML_TEMPLATE, build_tokenizer
 
@@ -16,6 +17,7 @@ __all__ = [
     "LLAVA_PROMPTS",
     "build_llava_15_shaped_processor_folder",
     "build_tiny_fuyu",
+    "build_tiny_gguf",
     "build_tiny_llava",
     "build_tiny_text_model",
     "build_tokenizer",

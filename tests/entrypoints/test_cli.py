@@ -169,3 +169,38 @@ def test_mm_processor_kwargs_must_be_a_json_object(capsys, command, value, messa
         main(argv)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and "--mm-processor-kwargs" in err and message in err
+
+
+# ---- GGUF files ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    pytest.importorskip("gguf", reason="the gguf package writes the test file (pip install gguf)")
+    from tessera.testing import build_tiny_gguf
+
+    return build_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q8_0.gguf")
+
+
+def test_chat_and_generate_take_a_gguf_file(tiny_gguf):
+    """`tessera chat MODEL.gguf` (the model as the positional argument) and `--model FOLDER` of a
+    folder holding one .gguf file answer as the offline API does."""
+    llm = LLM(str(tiny_gguf), kv_cache_memory="16MiB")
+    (expected,) = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=6, temperature=0.0),
+                           use_tqdm=False)  # fmt: skip
+    answer = expected.outputs[0].text.lstrip()
+    code, out = run(["chat", str(tiny_gguf), "--max-tokens", "6"], stdin="Hello\n/exit\n")
+    assert code == 0 and f"> {answer}\n" in out
+    assert run(["generate", "Hello", "--model", str(tiny_gguf.parent), "--max-tokens", "6"]) == (0, answer + "\n")
+
+
+def test_serve_takes_the_model_as_its_argument(tiny_gguf, monkeypatch, capsys):
+    from tessera.entrypoints.openai import api_server
+
+    seen = []
+    monkeypatch.setattr(api_server, "serve", lambda model, **options: seen.append(model) or 0)
+    assert run(["serve", str(tiny_gguf)])[0] == 0 and run(["serve", "--model", str(tiny_gguf)])[0] == 0
+    assert seen == [str(tiny_gguf)] * 2
+    code, _ = run(["serve", str(tiny_gguf), "--model", str(tiny_gguf.parent)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("tessera: error: Two models given")

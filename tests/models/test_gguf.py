@@ -1,0 +1,82 @@
+"""Weights from a GGUF file (tessera.models.gguf): a tiny Q8_0 Llama written here against what
+Hugging Face transformers loads from the same file (`from_pretrained(folder, gguf_file=...)`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera import LLM, SamplingParams
+from tessera.config import ModelConfig
+from tessera.layers.attention import AttentionMetadata, attention_metadata
+from tessera.layers.kv_cache import allocate_kv_cache
+from tessera.models.loader import load_model
+from tessera.testing import build_tiny_gguf
+from tessera.testing.generation import greedy_logprobs, hf_recomputed_logprobs
+
+pytest.importorskip("gguf", reason="the gguf package writes and reads the test files (pip install gguf)")
+
+MESSAGES = [{"role": "user", "content": "Where is the tower? Paris is"}]
+
+
+def hf_model(path):
+    pytest.importorskip("accelerate", reason="transformers loads a GGUF model only with accelerate installed")
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "output-weight"])
+def test_prefill_logits_match_hf(tmp_path, tied):
+    path = build_tiny_gguf(tmp_path / "m.gguf", tie_word_embeddings=tied)
+    model = load_model(ModelConfig(str(path), device="cpu"))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    ids = torch.randint(0, 267, (9,), generator=torch.Generator().manual_seed(1))
+    allocate_kv_cache(model, num_blocks=4, block_size=4, dtype=torch.float32)
+    with torch.no_grad(), attention_metadata(AttentionMetadata.build([9], [9], [[2, 0, 3]], block_size=4)):
+        ours = model.compute_logits(model(ids, torch.arange(9)))
+        expected = hf_model(path)(ids[None]).logits[0]
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
+
+
+def test_chat_greedy_tokens_and_logprobs_match_hf(tmp_path):
+    """The chat prompt from the file's template, then 10 greedy steps: the same tokens as HF's
+    generate and the same distribution at each step (HF recomputes without a cache)."""
+    path = build_tiny_gguf(tmp_path / "m.gguf")
+    hf = hf_model(path)
+    hf.generation_config.eos_token_id = None  # as ignore_eos: ten steps whatever comes
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    inputs = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    expected = hf.generate(**inputs, max_new_tokens=10, do_sample=False)[0, inputs["input_ids"].shape[1] :]
+
+    llm = LLM(str(path), kv_cache_memory="16MiB", device="cpu")
+    prompt = llm.render_chat(MESSAGES)
+    assert llm.get_tokenizer().encode(prompt["prompt"]) == inputs["input_ids"][0].tolist()
+    ((tokens, logprobs),) = greedy_logprobs(llm, [prompt], max_tokens=10, vocab_size=267)
+    assert tokens == expected.tolist()
+    torch.testing.assert_close(logprobs, hf_recomputed_logprobs(hf, inputs, tokens), atol=1e-4, rtol=0)
+
+
+def test_a_folder_holding_one_gguf_file_is_a_model(tmp_path):
+    path = build_tiny_gguf(tmp_path / "model" / "tiny.Q8_0.gguf")
+    by_folder, by_file = LLM(str(path.parent), kv_cache_memory="16MiB"), LLM(str(path), kv_cache_memory="16MiB")
+    prompt = by_file.render_chat(MESSAGES)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert by_folder.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == (
+        by_file.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    )
+
+
+def test_tensors_the_conversion_cannot_place_are_an_error(tmp_path):
+    """transformers skips them silently; loading them nowhere would run a different model."""
+    path = build_tiny_gguf(tmp_path / "m.gguf", extra_tensors=("blk.0.mystery.weight",))
+    with pytest.raises(ValueError, match=r"gives no place in LlamaForCausalLM: blk\.0\.mystery\.weight"):
+        load_model(ModelConfig(str(path), device="cpu"))
+
+
+def test_llama_cpp_rope_factors_are_recomputed_not_loaded(tmp_path):
+    path = build_tiny_gguf(tmp_path / "m.gguf", extra_tensors=("rope_freqs.weight",))
+    load_model(ModelConfig(str(path), device="cpu"))
