@@ -77,14 +77,23 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def _mm_processor_kwargs_option(parser: argparse.ArgumentParser) -> None:
+    _device_options(parser)
     parser.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
                         help="keyword arguments for the model's HF processor, e.g. "
                         "'{\"vision_feature_select_strategy\": \"full\"}' (applied to every prompt)")  # fmt: skip
 
 
 def _mm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """LLM / engine options for --mm-processor-kwargs (none when not given)."""
-    return {} if args.mm_processor_kwargs is None else {"mm_processor_kwargs": args.mm_processor_kwargs}
+    """LLM / engine options for --mm-processor-kwargs, --device and --dtype (those given)."""
+    options = {"mm_processor_kwargs": args.mm_processor_kwargs, "device": args.device, "dtype": args.dtype}
+    return {key: value for key, value in options.items() if value is not None}
+
+
+def _device_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, metavar="DEVICE",
+                        help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:1")  # fmt: skip
+    parser.add_argument("--dtype", default=None, metavar="DTYPE",
+                        help="float32, bfloat16 or float16 (default: auto, the model config's dtype)")  # fmt: skip
 
 
 def _pipeline_options(parser: argparse.ArgumentParser) -> None:

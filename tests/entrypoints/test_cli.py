@@ -161,6 +161,33 @@ def test_serve_passes_mm_processor_kwargs_to_the_server(tiny_llava_dir, monkeypa
     assert seen.get("mm_processor_kwargs") == given
 
 
+@pytest.mark.parametrize("flags", [[], ["--device", "cpu", "--dtype", "bfloat16"]])
+def test_serve_passes_device_and_dtype_to_the_engine(tiny_llava_dir, monkeypatch, flags):
+    from tessera.entrypoints.openai import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server, "serve", lambda model, **options: seen.update(options) or 0)
+    assert run(["serve", str(tiny_llava_dir), *flags])[0] == 0
+    assert (seen.get("device"), seen.get("dtype")) == (("cpu", "bfloat16") if flags else (None, None))
+    assert "device" in api_server.ENGINE_OPTIONS and "dtype" in api_server.ENGINE_OPTIONS
+
+
+def test_generate_runs_on_the_device_and_dtype_given(tiny_llava_dir, image_file, monkeypatch):
+    from tessera.entrypoints import llm as llm_module
+
+    built = {}
+    original = llm_module.LLM.__init__
+
+    def recording(self, model, **options):
+        built.update(options)
+        original(self, model, **options)
+
+    monkeypatch.setattr(llm_module.LLM, "__init__", recording)
+    code, _ = run(["generate", "Hi", "--model", str(tiny_llava_dir), "--max-tokens", "2", "--device", "cpu",
+                   "--dtype", "bfloat16"])  # fmt: skip
+    assert code == 0 and (built["device"], built["dtype"]) == ("cpu", "bfloat16")
+
+
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 @pytest.mark.parametrize("value, message", [("{not json", "not valid JSON"), ('["a"]', "must be a JSON object")])
 def test_mm_processor_kwargs_must_be_a_json_object(capsys, command, value, message):
