@@ -10,10 +10,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from torch import nn
 
 from ..config import ModelConfig
-from ..layers.mrope import uses_mrope
 from ..multimodal import MULTIMODAL_REGISTRY
 from ..multimodal.processing import BaseMultiModalProcessor
-from .interfaces import supports_mrope
 from .loader import load_model
 from .registry import ModelRegistry
 
@@ -51,13 +49,7 @@ def build_model(model_config: ModelConfig, tokenizer: Any) -> BuiltModel:
     """The model of `model_config`, and its processor if it takes items: with a vision pipeline when
     `model_config.multimodal_config.uses_pipeline`, else the class config.json's architectures name
     (which must be supported in both cases) and the processor registered for it."""
-    model_cls, architecture = ModelRegistry.resolve_model_cls(model_config.architectures)
-    if uses_mrope(model_config.hf_config) and not supports_mrope(model_cls):
-        raise ValueError(
-            f"The config of {model_config.model} asks for M-RoPE (three-axis positions, as Qwen2-VL's), but "
-            f"{architecture} ({model_cls.__name__}) does not compute them: it does not implement SupportsMRoPE. "
-            "Running it with 1-D positions would give wrong outputs; use a model class that supports M-RoPE."
-        )
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures)
     if model_config.multimodal_config.uses_pipeline:  # a text model + a vision pipeline plugin
         from .pipeline_adapter import build_with_pipeline
 

@@ -18,6 +18,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.linear import MergedLinear
+from ..layers.mrope import uses_mrope
+from .interfaces import supports_mrope
 from .registry import ModelRegistry
 
 # Tensors some checkpoints carry that no model needs (recomputed buffers).
@@ -28,7 +30,13 @@ def load_model(model_config: ModelConfig, *, ignore_prefixes: tuple[str, ...] = 
     """Build the model class named by config.json and load its weights, parts placed as configured.
     Checkpoint tensors whose names start with `ignore_prefixes` are skipped (e.g. a LLaVA
     checkpoint's own projector when its text model runs under a vision pipeline)."""
-    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures)
+    model_cls, architecture = ModelRegistry.resolve_model_cls(model_config.architectures)
+    if uses_mrope(model_config.hf_config) and not supports_mrope(model_cls):
+        raise ValueError(
+            f"The config of {model_config.model} asks for M-RoPE (three-axis positions, as Qwen2-VL's), but "
+            f"{architecture} ({model_cls.__name__}) does not compute them: it does not implement SupportsMRoPE. "
+            "Running it with 1-D positions would give wrong outputs; use a model class that supports M-RoPE."
+        )
     with torch.device("meta"):  # no memory, no random init: every tensor comes from the checkpoint
         model = model_cls(model_config.hf_config)
     if model_config.gguf_file is not None:

@@ -307,3 +307,14 @@ def test_part_dtype_applies_to_that_part_only(request, model_name, option, part,
 def test_bad_dtype_name_fails_at_config(tiny_llava_dir, option):
     with pytest.raises(ValueError, match=f"{option} 'float8'"):
         ModelConfig(str(tiny_llava_dir), device="cpu", **{option: "float8"})
+
+
+def test_load_model_refuses_an_mrope_config_for_a_model_without_mrope(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tessera.testing import build_tiny_text_model
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    folder = build_tiny_text_model(tmp_path / "m", Qwen2ForCausalLM, Qwen2Config, rope_parameters=rope)
+    with pytest.raises(ValueError, match="M-RoPE.*Qwen2ForCausalLM.*SupportsMRoPE"):
+        load(folder)
