@@ -166,6 +166,14 @@ def _reader(path: str) -> Any:
         raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}).") from e
 
 
+def unreadable_gguf(path: Union[str, Path], error: Exception) -> ValueError:
+    """The error for a GGUF file transformers cannot convert: truncated, corrupt or unsupported."""
+    return ValueError(
+        f"{path} could not be read as a GGUF model ({type(error).__name__}: {error}); the file may be truncated "
+        "or corrupt, or its architecture one transformers cannot convert."
+    )
+
+
 def _is_string(value_type: Any) -> bool:
     from gguf import GGUFValueType
 
@@ -184,7 +192,10 @@ def _is_bool(value_type: Any) -> bool:
 def load_gguf_config(path: Union[str, Path], *, trust_remote_code: bool = False) -> PretrainedConfig:
     """transformers' config for a GGUF file, with its token ids and architecture fixed (`fix_gguf_config`)."""
     path = Path(path)
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise unreadable_gguf(path, e) from e
     for change in fix_gguf_config(config, read_gguf_metadata(path)):
         logger.info("GGUF %s: config %s (from the file's metadata)", path.name, change)
     return config
@@ -221,9 +232,12 @@ def load_gguf_tokenizer(path: Union[str, Path], *, trust_remote_code: bool = Fal
     """transformers' tokenizer for a GGUF file, with the file's special tokens, BOS / EOS flags and
     chat template enforced (`fix_gguf_tokenizer`)."""
     path = Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
+        )
+    except Exception as e:
+        raise unreadable_gguf(path, e) from e
     for change in fix_gguf_tokenizer(tokenizer, read_gguf_metadata(path)):
         logger.info("GGUF %s: tokenizer %s (from the file's metadata)", path.name, change)
     return tokenizer

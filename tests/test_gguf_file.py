@@ -68,6 +68,15 @@ def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path):
         read_gguf_metadata(bad)
 
 
+def test_a_truncated_gguf_file_is_a_clear_error(tmp_path, tiny_gguf):
+    """The header and metadata read, the tensor data is cut short: an error naming the file and why."""
+    truncated = tmp_path / "cut.gguf"
+    data = tiny_gguf.read_bytes()
+    truncated.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(ValueError, match=r"cut.gguf could not be read as a GGUF model .* truncated or corrupt"):
+        ModelConfig(str(truncated))
+
+
 # ---- metadata -----------------------------------------------------------------------------------------
 
 

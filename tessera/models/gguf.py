@@ -23,7 +23,7 @@ from typing import Optional, Union
 import torch
 from transformers import PretrainedConfig
 
-from ..gguf_file import read_gguf_metadata
+from ..gguf_file import read_gguf_metadata, unreadable_gguf
 
 IGNORED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
 """llama.cpp's precomputed Llama 3 rope frequency factors: the rotary embedding comes from the config
@@ -55,7 +55,10 @@ def iter_gguf_checkpoint(
         raise ValueError(
             f"Tensors of {path} that transformers' GGUF conversion gives no place in {shell.class_name}: {shown}."
         )
-    parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell, torch_dtype=dtype)
+    try:
+        parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell, torch_dtype=dtype)
+    except Exception as e:
+        raise unreadable_gguf(path, e) from e
     yield from parsed["tensors"].items()
 
 

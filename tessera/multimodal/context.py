@@ -11,6 +11,7 @@ Keys that neither takes are dropped with one warning per distinct set of them, n
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
@@ -265,6 +266,9 @@ def _named_parameters(fn: Callable[..., Any]) -> list[str]:
     return names
 
 
+_SIZE_DICT_FIELDS = frozenset(f.name for f in dataclasses.fields(SizeDict))
+
+
 def _size_dicts(processor: ProcessorMixin, kwargs: dict[str, object]) -> dict[str, object]:
     """JSON mappings for options a transformers 5 (sub-)processor holds as a SizeDict (sizes,
     patch sizes), which its constructor refuses as plain dicts, become SizeDicts."""
@@ -272,7 +276,11 @@ def _size_dicts(processor: ProcessorMixin, kwargs: dict[str, object]) -> dict[st
     owners = [processor] + [getattr(processor, a, None) for a in (get_attributes() if get_attributes else [])]
     converted = dict(kwargs)
     for key, value in kwargs.items():
-        if isinstance(value, Mapping) and any(isinstance(getattr(o, key, None), SizeDict) for o in owners):
+        if (
+            isinstance(value, Mapping)
+            and set(value) <= _SIZE_DICT_FIELDS  # other keys: left for the processor to refuse by name
+            and any(isinstance(getattr(o, key, None), SizeDict) for o in owners)
+        ):
             converted[key] = SizeDict(**value)
     return converted
 
