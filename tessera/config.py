@@ -171,6 +171,12 @@ class CacheConfig:
     encoder_cache_size: Optional[int] = None
     """Vision-encoder outputs kept, in embedding rows; None: enough for the largest prompt's items."""
 
+    free_out_of_window_blocks: bool = True
+    """When every attention layer has a sliding window (W the largest), release a running sequence's
+    blocks that lie wholly before its last W tokens: no later query sees them, so more sequences fit
+    in the cache (a cached block stays reusable by prefix caching). No effect on models with any
+    full-attention layer. Off: every sequence keeps all its blocks until it ends (for comparison)."""
+
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")

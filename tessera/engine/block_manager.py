@@ -4,6 +4,10 @@ A full block is identified by a hash chained over its parent's hash, its tokens 
 hashes of the images whose placeholders overlap it: two prompts with the same tokens but other
 images never share a block, and a repeated image + prompt finds its blocks again. Freed blocks
 keep their hash and stay reusable until they are evicted, least recently freed first.
+
+When every attention layer of the model has a sliding window, the blocks of a sequence that fell
+out of every window are released while it runs (`release_before`): they leave its block table's
+live part but keep their place in it as `PLACEHOLDER`, so token t still lives in block t // block_size.
 """
 
 from __future__ import annotations
@@ -15,6 +19,14 @@ import numpy as np
 from blake3 import blake3
 
 from .request import Request
+
+PLACEHOLDER = 0
+"""Block id standing for a released block in a block table: a valid index (block tables become
+tensors) that attention never reads. Blocks are released only before n - W + 1 (n computed tokens,
+W the largest window), and a windowed layer gathers only from its window's first visible key on
+(`AttentionMetadata.prefill_mask`'s key_start, `decode_tables`); the whole tables
+(`context_blocks`, `decode_block_tables`) are gathered only when the window covers every key, when
+nothing was released. New tokens are written at positions >= n, in live blocks."""
 
 
 class BlockManager:
@@ -34,6 +46,7 @@ class BlockManager:
         self.cached_blocks: dict[bytes, int] = {}  # hash -> block holding it
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}  # hashes of each request's full blocks
+        self.req_released: dict[str, int] = {}  # leading blocks of each request already released
         self.prefix_queries = self.prefix_hits = 0  # in tokens
 
     @property
@@ -41,7 +54,12 @@ class BlockManager:
         return len(self.free_blocks)
 
     def blocks_of(self, request: Request) -> list[int]:
+        """The request's block table: `PLACEHOLDER` for each released block, then its live blocks."""
         return self.req_blocks.get(request.request_id, [])
+
+    def live_blocks_of(self, request: Request) -> list[int]:
+        """The blocks the request holds (its table without the released ones)."""
+        return self.blocks_of(request)[self.req_released.get(request.request_id, 0) :]
 
     # ---- prefix caching -----------------------------------------------------------------------
 
@@ -109,17 +127,40 @@ class BlockManager:
             return
         blocks = self.req_blocks.get(request.request_id, [])
         num_full = request.num_computed_tokens // self.block_size
-        for block, block_hash in zip(blocks[:num_full], self.block_hashes_of(request)[:num_full]):
+        released = self.req_released.get(request.request_id, 0)  # published before their release
+        hashes = self.block_hashes_of(request)
+        for block, block_hash in zip(blocks[released:num_full], hashes[released:num_full]):
             if self.block_hashes[block] is None and block_hash not in self.cached_blocks:
                 self.block_hashes[block] = block_hash
                 self.cached_blocks[block_hash] = block
 
+    def release_before(self, request: Request, position: int) -> None:
+        """Release the request's blocks that lie wholly before `position` (no query of it will see
+        them again): each is dereferenced, and once unused goes to the free pool, where a cached one
+        keeps its hash for prefix caching. The table keeps its length, `PLACEHOLDER` in their place."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        released = self.req_released.get(request.request_id, 0)
+        end = min(max(position, 0) // self.block_size, len(blocks))
+        if end <= released:
+            return
+        for index in range(released, end):
+            self._deref(blocks[index])
+            blocks[index] = PLACEHOLDER
+        self.req_released[request.request_id] = end
+
+    def _deref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; the last blocks of a sequence are evicted first."""
-        for block in reversed(self.req_blocks.pop(request.request_id, [])):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
+        blocks = self.req_blocks.pop(request.request_id, [])
+        released = self.req_released.pop(request.request_id, 0)
+        for block in reversed(blocks[released:]):
+            self._deref(block)
         self.req_hashes.pop(request.request_id, None)
 
     @property

@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 from ..config import CacheConfig, ModelConfig, MultiModalConfig, SchedulerConfig
 from ..errors import InputError
-from ..layers.kv_cache import kv_cache_bytes_per_block
+from ..layers.kv_cache import kv_cache_bytes_per_block, kv_window
 from ..models.factory import build_model
 from ..multimodal.context import load_tokenizer
 from ..multimodal.profiling import MultiModalProfiler
@@ -69,9 +69,11 @@ class LLMEngine:
         self.encoder_cache = encoder_cache
         if getattr(self.model, "is_mm_prefix_lm", False):  # a chunk ending inside an image lacks its later tokens
             scheduler_config.disable_chunked_mm_input = True
+        self.kv_window = kv_window(self.model) if cache_config.free_out_of_window_blocks else None
         self.scheduler = Scheduler(
-            scheduler_config, self.block_manager, encoder_cache, self.encoder_budget, self.max_model_len
-        )
+            scheduler_config, self.block_manager, encoder_cache, self.encoder_budget, self.max_model_len,
+            kv_window=self.kv_window,
+        )  # fmt: skip
         self.runner = ModelRunner(
             self.model,
             num_blocks=num_blocks,

@@ -5,6 +5,10 @@ vision-encoder budget. Running requests go first, in arrival order; waiting ones
 while budget, sequence slots and KV blocks last. When blocks run out, the most recently admitted
 running request is preempted: its blocks are freed and it is recomputed later (its prefix blocks
 usually still cached), so nothing crashes and nothing is lost.
+
+With a KV window W (every attention layer of the model windowed, W the largest window), a request's
+blocks wholly before its last W tokens are released after each step it runs: no later query of it
+sees them, so they no longer count against the cache.
 """
 
 from __future__ import annotations
@@ -54,8 +58,13 @@ class Scheduler:
         encoder_cache: EncoderCache,
         encoder_budget: int,
         max_model_len: Optional[int] = None,
+        *,
+        kv_window: Optional[int] = None,
     ) -> None:
+        """`kv_window`: release blocks no query can see any more (see the module's docstring); None
+        keeps every block of a request until it ends."""
         self.config = config
+        self.kv_window = kv_window
         self.max_model_len = max_model_len or config.max_model_len
         self.block_manager = block_manager
         self.encoder_cache = encoder_cache
@@ -106,6 +115,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = start
+            if self.kv_window is not None:  # cached blocks before the first key this step sees
+                self.block_manager.release_before(request, start - self.kv_window + 1)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._commit(step, encoding, scheduled)
@@ -174,9 +185,9 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, sampled: Mapping[str, tuple[int, Optional[dict[int, float]]]]
     ) -> list[Request]:
-        """After a step ran: advance each scheduled request, cache its full blocks, release the
-        encoder outputs it has consumed, append its sampled token and end it on EOS, a stop token
-        id or its length limit (stop strings need text: the output processor decides those).
+        """After a step ran: advance each scheduled request, cache its full blocks, release those out of
+        the KV window and the encoder outputs it has consumed, append its sampled token and end it on
+        EOS, a stop token id or its length limit (stop strings need text: the output processor decides those).
         Returns the requests that got a token, in schedule order."""
         now = time.monotonic()
         advanced = []
@@ -185,6 +196,8 @@ class Scheduler:
             request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
             request.num_computed_tokens += step.num_new_tokens
             self.block_manager.cache_full_blocks(request)
+            if self.kv_window is not None:  # the next query, at >= n, sees keys from n - W + 1 on
+                self.block_manager.release_before(request, request.num_computed_tokens - self.kv_window + 1)
             for item in request.mm_items:
                 if item.end <= request.num_computed_tokens:
                     self.encoder_cache.release_item(item.hash, request.request_id)

@@ -20,7 +20,7 @@ from ..sampling_params import SamplingParams
 class LLM:
     """A model served in-process. Options are those of ModelConfig, CacheConfig,
     SchedulerConfig and MultiModalConfig, e.g. `dtype`, `kv_cache_memory`, `block_size`,
-    `max_num_batched_tokens`, `enable_prefix_caching`, `limit_mm_per_prompt`,
+    `max_num_batched_tokens`, `enable_prefix_caching`, `free_out_of_window_blocks`, `limit_mm_per_prompt`,
     `mm_processor_kwargs` (HF processor kwargs for every prompt)."""
 
     def __init__(self, model: str, **options: Any) -> None:

@@ -37,7 +37,9 @@ class AttentionMetadata:
     """[num_tokens] cache slot of each new token."""
 
     context_blocks: list[torch.Tensor]
-    """Per sequence, the blocks holding its context, in order."""
+    """Per sequence, the blocks holding its context, in order. With a window on every layer, the
+    engine may have released blocks no query of the step sees (engine/block_manager.py): their
+    entries are a placeholder, never gathered (windowed paths start at the first visible key)."""
 
     decode_rows: torch.Tensor
     """[num_decode] batch rows of the sequences with a single new token, attended in one batch."""

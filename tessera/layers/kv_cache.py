@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -10,6 +12,15 @@ from .attention import PagedAttention
 
 def attention_layers(model: nn.Module) -> list[PagedAttention]:
     return [m for m in model.modules() if isinstance(m, PagedAttention)]
+
+
+def kv_window(model: nn.Module) -> Optional[int]:
+    """How many of a sequence's last keys any later query can see: the largest sliding window of the
+    model's attention layers; None (all of them) if some layer has no window, or there is no layer."""
+    windows = [a.sliding_window for a in attention_layers(model)]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)
 
 
 def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:

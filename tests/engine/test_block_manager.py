@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.engine.block_manager import BlockManager
+from tessera.engine.block_manager import PLACEHOLDER, BlockManager
 from tessera.engine.request import MultiModalItem, Request
 from tessera.multimodal.inputs import MultiModalKwargsItem, PlaceholderRange
 from tessera.sampling_params import SamplingParams
@@ -230,3 +230,127 @@ def test_a_cached_prefix_held_by_another_request_is_not_counted_as_free():
 def test_no_blocks_is_an_error():
     with pytest.raises(ValueError, match="at least one block"):
         BlockManager(0, BS)
+
+
+# ---- releasing blocks that fell out of every window ---------------------------------------------
+
+
+def test_release_before_frees_the_blocks_wholly_before_the_position_and_keeps_the_table_length():
+    manager = BlockManager(10, BS)
+    request = make_request("a", range(10))  # blocks for positions 0-3, 4-7, 8-9
+    admit(manager, request)
+    first, second, third = manager.blocks_of(request)
+    manager.release_before(request, 7)  # block 1 holds position 7: only block 0 is wholly before it
+    assert manager.blocks_of(request) == [PLACEHOLDER, second, third]
+    assert manager.live_blocks_of(request) == [second, third]
+    assert manager.num_free_blocks == 10 - 2
+    manager.release_before(request, 8)
+    assert manager.blocks_of(request) == [PLACEHOLDER, PLACEHOLDER, third]
+    assert manager.live_blocks_of(request) == [third]
+    assert manager.num_free_blocks == 10 - 1
+    assert manager.ref_counts[first] == manager.ref_counts[second] == 0 and manager.ref_counts[third] == 1
+
+
+@pytest.mark.parametrize("position", [-5, 0, 3])
+def test_release_before_the_first_block_ends_releases_nothing(position):
+    manager = BlockManager(10, BS)
+    request = make_request("a", range(10))
+    admit(manager, request)
+    before = state(manager)
+    manager.release_before(request, position)
+    assert state(manager) == before
+
+
+def test_releasing_again_or_before_an_earlier_position_changes_nothing():
+    manager = BlockManager(10, BS)
+    request = make_request("a", range(10))
+    admit(manager, request)
+    manager.release_before(request, 8)
+    after = state(manager)
+    manager.release_before(request, 8)
+    manager.release_before(request, 5)
+    assert state(manager) == after
+    manager.release_before(request, 100)  # past the table: every block, never more
+    assert manager.blocks_of(request) == [PLACEHOLDER] * 3
+    assert manager.num_free_blocks == 10 and manager.ref_counts == [0] * 10
+
+
+def test_free_after_release_frees_each_block_once():
+    manager = BlockManager(10, BS)
+    request = make_request("a", range(10))
+    admit(manager, request)
+    manager.release_before(request, 8)
+    manager.free(request)
+    assert manager.num_free_blocks == 10
+    assert sorted(manager.free_blocks) == list(range(10))
+    assert manager.ref_counts == [0] * 10
+    assert manager.blocks_of(request) == [] and manager.live_blocks_of(request) == []
+
+
+def test_released_blocks_count_as_free_for_allocation():
+    manager = BlockManager(4, BS)
+    first = make_request("a", range(16))  # the whole cache
+    admit(manager, first)
+    second = make_request("b", [50, 51, 52])
+    assert not manager.allocate(second, 3)
+    manager.release_before(first, 13)  # positions 0-11: three blocks
+    assert manager.allocate(second, 3)
+    first.output_token_ids.append(99)  # a 17th token needs a 5th table entry
+    assert manager.allocate(first, 1)
+    assert len(manager.blocks_of(first)) == 5 and len(manager.live_blocks_of(first)) == 2
+    assert manager.num_free_blocks == 4 - 2 - 1
+
+
+def test_a_released_cached_block_is_found_again_by_the_same_prefix():
+    manager = BlockManager(10, BS)
+    first = make_request("a", range(10))
+    admit(manager, first)
+    head = manager.blocks_of(first)[:2]
+    manager.release_before(first, 8)
+    assert all(manager.ref_counts[b] == 0 and b in manager.free_blocks for b in head)
+    second = make_request("b", list(range(8)) + [50, 51])
+    assert admit(manager, second) == head
+    assert all(manager.ref_counts[b] == 1 and b not in manager.free_blocks for b in head)
+    assert manager.num_free_blocks == 10 - 2 - 1 - 1  # head, first's tail, second's tail
+
+
+def test_without_prefix_caching_released_blocks_return_uncached():
+    manager = BlockManager(10, BS, enable_prefix_caching=False)
+    first = make_request("a", range(10))
+    admit(manager, first)
+    manager.release_before(first, 8)
+    assert manager.num_free_blocks == 9 and manager.cached_blocks == {}
+    assert manager.find_cached_prefix(make_request("b", range(10))) == []
+
+
+def test_a_released_block_another_request_shares_stays_held():
+    manager = BlockManager(10, BS)
+    first, second = make_request("a", range(10)), make_request("b", range(10))
+    admit(manager, first)
+    assert admit(manager, second) == manager.blocks_of(first)[:2]
+    shared = manager.blocks_of(first)[:2]
+    manager.release_before(first, 8)
+    assert all(manager.ref_counts[b] == 1 and b not in manager.free_blocks for b in shared)
+    assert manager.blocks_of(second)[:2] == shared
+    manager.free(second)
+    assert all(manager.ref_counts[b] == 0 and b in manager.free_blocks for b in shared)
+
+
+def test_placeholders_never_get_the_hashes_of_the_blocks_they_replace():
+    """A released block taken by another request holds other tokens: publishing the releasing request's
+    blocks must not give it their hash (a later identical prompt would read the other tokens)."""
+    manager = BlockManager(6, BS)
+    first = make_request("a", range(9))
+    admit(manager, first)  # blocks 0, 1 (published), 2
+    manager.release_before(first, 8)  # 0 and 1 back to the free pool, still cached
+    other = make_request("b", range(100, 120))
+    assert manager.allocate(other, 20)  # the whole free pool: 0 and 1 evicted
+    assert set(manager.blocks_of(other)) >= {0, 1} and manager.block_hashes[0] is None
+    for token in range(9, 12):  # first decodes to a third full block (no new block) and publishes it
+        first.output_token_ids.append(token)
+        assert manager.allocate(first, 1)
+        first.num_computed_tokens += 1
+        manager.cache_full_blocks(first)
+    assert manager.block_hashes[0] is None and manager.block_hashes[1] is None
+    assert manager.block_hashes[2] is not None
+    assert manager.find_cached_prefix(make_request("c", range(13))) == []  # its head is gone

@@ -32,14 +32,16 @@ def make_request(request_id, num_tokens, images=(), max_tokens=2):
 
 class Harness:
     def __init__(
-        self, *, budget=64, encoder_budget=16, encoder_cache=None, num_blocks=64, max_num_seqs=64, whole_items=False
-    ):
+        self, *, budget=64, encoder_budget=16, encoder_cache=None, num_blocks=64, max_num_seqs=64, whole_items=False,
+        kv_window=None,
+    ):  # fmt: skip
         self.blocks = BlockManager(num_blocks, BS)
         self.cache = EncoderCache(encoder_cache or encoder_budget)
         config = SchedulerConfig(
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, disable_chunked_mm_input=whole_items
         )
-        self.scheduler = Scheduler(config, self.blocks, self.cache, encoder_budget)
+        self.scheduler = Scheduler(config, self.blocks, self.cache, encoder_budget, kv_window=kv_window)
+        self.kv_window = kv_window
         self.encoded: list[str] = []  # item hashes, in the order the encoder ran them
         self.chunks: list[tuple[str, int, int]] = []  # (request id, start, end) of every scheduled piece
 
@@ -60,6 +62,9 @@ class Harness:
             self.chunks.append((request.request_id, start, end))
             assert all(item.hash in self.cache.entries for item in request.items_overlapping(start, end))
             assert len(self.blocks.blocks_of(request)) * BS >= end
+            released = len(self.blocks.blocks_of(request)) - len(self.blocks.live_blocks_of(request))
+            first_seen = start - (self.kv_window or start + 1) + 1  # the first key the step's first query sees
+            assert released * BS <= max(first_seen, 0)  # every visible key is in a live block
             if end == request.num_tokens:  # the step ends at the request's last token: it samples one
                 sampled[request.request_id] = (1000 + len(request.output_token_ids), None)
         advanced = self.scheduler.update_from_output(out, sampled)
@@ -298,3 +303,59 @@ def test_reset_forgets_requests_cached_blocks_and_encoder_outputs():
     assert not harness.scheduler.has_unfinished_requests() and harness.scheduler.num_preemptions == 0
     assert not harness.blocks.cached_blocks and harness.blocks.num_free_blocks == harness.blocks.num_blocks
     assert not harness.cache.entries and harness.cache.num_encoded == 0 and harness.blocks.prefix_hits == 0
+
+
+# ---- a KV window ---------------------------------------------------------------------------------
+
+
+def test_with_a_kv_window_blocks_before_it_are_released_after_each_step():
+    harness = Harness(budget=6, kv_window=4)  # chunks of 6 tokens
+    request = make_request("a", 14, max_tokens=12)
+    harness.add(request)
+    harness.step()  # positions 0-5: the next query (6) sees 3-6, block 0 (0-3) stays
+    assert len(harness.blocks.live_blocks_of(request)) == 2
+    harness.step()  # 6-11: the next (12) sees 9-12: blocks 0 and 1 (0-7) go
+    assert len(harness.blocks.blocks_of(request)) == 3 and len(harness.blocks.live_blocks_of(request)) == 1
+    held = []
+    while harness.scheduler.has_unfinished_requests():
+        harness.step()
+        held.append(len(harness.blocks.live_blocks_of(request)))
+    assert held[-1] == 0  # finished: all freed
+    assert max(held) <= 2  # after a step, the keys a next query sees besides itself (3) span at most 2 blocks
+    assert harness.blocks.num_free_blocks == 64 and harness.blocks.ref_counts == [0] * 64
+
+
+def test_without_a_kv_window_every_block_is_kept():
+    harness = Harness(budget=6)
+    request = make_request("a", 14, max_tokens=12)
+    harness.add(request)
+    for _ in range(8):
+        harness.step()
+        assert harness.blocks.live_blocks_of(request) == harness.blocks.blocks_of(request)
+    assert len(harness.blocks.blocks_of(request)) == -(-(14 + 6) // BS)
+
+
+def test_a_kv_window_fits_more_sequences_in_the_same_cache():
+    def preemptions(kv_window):
+        harness = Harness(num_blocks=12, kv_window=kv_window)
+        harness.add(*(make_request(name, 10, max_tokens=20) for name in "abcd"))  # 30 tokens = 8 blocks each
+        harness.run()
+        return harness.scheduler.num_preemptions
+
+    assert preemptions(None) > 0
+    assert preemptions(4) == 0
+
+
+def test_with_a_kv_window_a_cached_prefix_keeps_only_the_blocks_its_step_sees():
+    harness = Harness(kv_window=4)
+    harness.add(make_request("a", 20, max_tokens=1))
+    harness.run()
+    again = make_request("a2", 20)  # same tokens: blocks 0-3 (positions 0-15) cached, 16-19 to compute
+    harness.add(again)
+    out = harness.scheduler.schedule()
+    assert planned(out) == [("a2", 4)]  # its first query, at 16, sees 13-16: blocks 0-2 go back at once
+    blocks = harness.blocks
+    assert len(blocks.blocks_of(again)) == 5 and len(blocks.live_blocks_of(again)) == 2
+    assert blocks.num_free_blocks == 64 - 2
+    harness.scheduler.update_from_output(out, {"a2": (1, None)})
+    assert blocks.prefix_hits == 16
