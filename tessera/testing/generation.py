@@ -35,3 +35,17 @@ def hf_recomputed_logprobs(hf_model: Any, inputs: Any, tokens: Sequence[int]) ->
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     with torch.no_grad():
         return hf_model(**inputs).logits[0, prompt_len - 1 :].log_softmax(-1)
+
+
+def hf_greedy_tokens(hf_model: Any, tokenizer: Any, prompts: Sequence[str], max_tokens: int) -> list[list[int]]:
+    """HF `generate`'s greedy tokens for each text prompt alone (end-of-sequence ignored)."""
+    results = []
+    for prompt in prompts:
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.no_grad():
+            out = hf_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+        results.append(out[0, ids.shape[1] :].tolist())
+    return results

@@ -6,7 +6,6 @@ and a small cache preempts less. Models with a full-attention layer keep every b
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -18,6 +17,7 @@ from transformers import (
 
 from tessera import LLM, SamplingParams
 from tessera.testing import build_tiny_text_model, build_tokenizer
+from tessera.testing.generation import hf_greedy_tokens
 
 PROMPTS = [
     "How many squares are there in the picture?",
@@ -41,21 +41,13 @@ def mistral(request, tmp_path_factory):
     folder = build_tiny_text_model(
         tmp_path_factory.mktemp("mistral"), MistralForCausalLM, MistralConfig, sliding_window=window
     )
-    return folder, hf_greedy_tokens(MistralForCausalLM, folder, window), window
+    return folder, hf_greedy(MistralForCausalLM, folder, window), window
 
 
-def hf_greedy_tokens(hf_cls, folder, window):
+def hf_greedy(hf_cls, folder, window):
     tokenizer = build_tokenizer("llava")
-    model = hf_cls.from_pretrained(folder).eval()
-    results = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        assert ids.shape[1] > window
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-        results.append(out[0, ids.shape[1] :].tolist())
-    return results
+    assert all(len(tokenizer.encode(p)) > window for p in PROMPTS)  # every prompt outgrows the window
+    return hf_greedy_tokens(hf_cls.from_pretrained(folder).eval(), tokenizer, PROMPTS, MAX_TOKENS)
 
 
 def run(llm, prompts):

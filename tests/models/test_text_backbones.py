@@ -5,7 +5,6 @@ Windowed models get windows of 4 to 8 tokens and prompts of 13 to 20, so a wrong
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -19,6 +18,7 @@ from transformers import (
 
 from tessera import LLM, SamplingParams
 from tessera.testing import build_tiny_text_model, build_tokenizer
+from tessera.testing.generation import hf_greedy_tokens
 
 PROMPTS = [
     "How many squares are there in the picture?",
@@ -55,23 +55,12 @@ def backbone(tmp_path_factory):
         if name not in built:
             hf_cls, config_cls, overrides = MODELS[name]
             folder = build_tiny_text_model(tmp_path_factory.mktemp(name), hf_cls, config_cls, **overrides)
-            built[name] = (folder, hf_greedy_tokens(hf_cls, folder), config_cls.from_pretrained(folder))
+            hf_model = hf_cls.from_pretrained(folder).eval()
+            expected = hf_greedy_tokens(hf_model, build_tokenizer("llava"), PROMPTS, MAX_TOKENS)
+            built[name] = (folder, expected, config_cls.from_pretrained(folder))
         return built[name]
 
     return get
-
-
-def hf_greedy_tokens(hf_cls, folder):
-    tokenizer = build_tokenizer("llava")
-    model = hf_cls.from_pretrained(folder).eval()
-    results = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-        results.append(out[0, ids.shape[1] :].tolist())
-    return results
 
 
 def tokens(llm, prompts):
