@@ -111,6 +111,10 @@ class InputProcessingContext:
                 **kwargs,
             )
 
+    def get_call_kwargs(self, hf_processor: Any, kwargs: Mapping[str, object]) -> dict[str, object]:
+        """The merged mm_processor_kwargs that `hf_processor`'s call takes (as call_hf_processor passes them)."""
+        return split_mm_kwargs(hf_processor, self.get_merged_mm_kwargs(kwargs)).call
+
     def call_hf_processor(
         self, hf_processor: Callable[..., Any], data: Mapping[str, object], kwargs: Mapping[str, object] = {}
     ) -> BatchFeature:

@@ -23,6 +23,26 @@ def _fuyu_image_patches(data: Mapping[str, object], outputs: BatchFeature) -> No
         outputs["image_patches"] = [patches[None]]
 
 
+def tokenize_text_only(hf_processor: Any, text: str, call_kwargs: Mapping[str, object], tokenizer: Any) -> BatchFeature:
+    """`text` tokenized as the processor's own call tokenizes it, without its items: transformers 5
+    processors refuse placeholders (``<image>``) whose items are not in the same call, which is how
+    the processor-output cache and token prompts send text. The processor's tokenizer gets the text
+    options its call would merge (its defaults, the tokenizer's, the call's), e.g. a processor that
+    adds no special tokens."""
+    tokenizer = getattr(hf_processor, "tokenizer", None) or tokenizer
+    text_kwargs: dict[str, Any] = {}
+    merge = getattr(hf_processor, "_merge_kwargs", None)
+    if merge is not None:
+        try:
+            merged = merge(tokenizer_init_kwargs=getattr(tokenizer, "init_kwargs", {}), **call_kwargs)
+            text_kwargs = dict(merged["text_kwargs"])
+        except Exception:  # a processor of another shape: its tokenizer's own defaults
+            text_kwargs = {}
+    for key in ("return_tensors", "return_mm_token_type_ids", "return_text_replacement_offsets"):
+        text_kwargs.pop(key, None)
+    return BatchFeature(dict(tokenizer(text, return_tensors="pt", **text_kwargs)))
+
+
 _RESTORERS: dict[str, Callable[[Mapping[str, object], BatchFeature], None]] = {
     "FuyuProcessor": _fuyu_image_patches,
 }

@@ -17,6 +17,7 @@ from transformers import BatchFeature, PretrainedConfig, ProcessorMixin
 from .cache import ProcessingCache
 from .context import InputProcessingContext
 from .hasher import MultiModalHasher
+from .hf_compat import tokenize_text_only
 from .inputs import MultiModalDataDict, MultiModalFieldConfig, MultiModalInputs, MultiModalKwargs, MultiModalUUIDDict
 from .parse import EmbeddingItems, ModalityDataItems, MultiModalDataItems, MultiModalDataParser
 from .placeholders import place_items
@@ -124,8 +125,8 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
         processor-output cache and token prompts process items apart from the text)."""
         if not mm_data:
             hf_processor = self.info.get_hf_processor(**mm_kwargs)
-            tokenizer = getattr(hf_processor, "tokenizer", None) or self.info.get_tokenizer()
-            return BatchFeature(dict(tokenizer(prompt, return_tensors="pt")))
+            call_kwargs = self.info.ctx.get_call_kwargs(hf_processor, mm_kwargs)
+            return tokenize_text_only(hf_processor, prompt, call_kwargs, self.info.get_tokenizer())
         return self.info.ctx.call_hf_processor(
             self.info.get_hf_processor(**mm_kwargs), dict(text=prompt, **mm_data), mm_kwargs
         )

@@ -104,6 +104,20 @@ def test_llava_cached_equals_uncached_at_every_hit_rate(tiny_llava_dir, as_token
     assert_same_output(out, uncached)
 
 
+@pytest.mark.parametrize("text_options", [{}, {"add_special_tokens": False}])
+def test_text_sent_apart_from_its_items_is_tokenized_as_the_processor_call_does(tiny_llava_dir, llava_hf, text_options):
+    """The processor-output cache sends text without its items (transformers 5 refuses the pair);
+    the text still gets the options the processor's call merges, so cached equals HF."""
+    (image,) = random_images([(40, 30)])
+    prompt = LLAVA_PROMPTS[1]
+    hf = llava_hf(text=prompt, images=[image], return_tensors="pt", **text_options)
+    ours = make(tiny_llava_dir, mm_processor_cache_gb=1, mm_processor_kwargs=text_options).apply(
+        prompt, {"image": [image]}
+    )
+    assert ours["prompt_token_ids"] == hf["input_ids"][0].tolist()
+    assert (ours["prompt_token_ids"][0] == llava_hf.tokenizer.bos_token_id) == (not text_options)
+
+
 def test_llava_image_types_give_identical_inputs(tiny_llava_dir):
     (image,) = random_images([(48, 36)])
     array = np.asarray(image)
