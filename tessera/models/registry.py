@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 # Built-in architectures, imported on first use so that importing tessera stays cheap.
 _BUILTIN_MODELS = {
     "LlavaForConditionalGeneration": "tessera.models.llava:LlavaForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "FuyuForCausalLM": "tessera.models.fuyu:FuyuForCausalLM",
     "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
     "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",
@@ -28,6 +29,7 @@ _BUILTIN_TEXT_MODELS = {
     "llama": "tessera.models.llama:LlamaForCausalLM",
     "persimmon": "tessera.models.persimmon:PersimmonForCausalLM",
     "qwen2": "tessera.models.qwen2:Qwen2ForCausalLM",
+    "qwen2_vl_text": "tessera.models.qwen2:Qwen2ForCausalLM",  # Qwen2-VL's decoder: Qwen2's, M-RoPE positions
     "mistral": "tessera.models.mistral:MistralForCausalLM",
     "qwen3": "tessera.models.qwen3:Qwen3ForCausalLM",
     "gemma3_text": "tessera.models.gemma3:Gemma3ForCausalLM",

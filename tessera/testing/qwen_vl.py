@@ -1,0 +1,106 @@
+"""A tiny, randomly initialised Qwen2-VL checkpoint in Hugging Face folder format, built offline.
+
+Text: Qwen2-VL's Qwen2 decoder, hidden 32, 2 layers, 4 heads over 2 KV heads (head_dim 8, M-RoPE
+sections [1, 1, 2] over its 4 frequencies). Vision: depth 2, embed_dim 32, 2 heads, 8-pixel patches,
+2x2 spatial merge, 2 frames per temporal patch. The processor keeps images between 256 and 3072
+pixels, i.e. 1 to 12 merged tokens each. The tokenizer is a tiny byte-level BPE with Qwen2-VL's
+special tokens (<|im_start|>, <|im_end|>, <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
+    Qwen2VLVideoProcessor,
+)
+
+from .tokenizer import english_corpus
+
+QWEN_VL_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+    "<|video_pad|>",
+)  # fmt: skip
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 8, 2, 2
+MIN_PIXELS, MAX_PIXELS = 16 * 16, 16 * 16 * 12
+
+
+def build_qwen_vl_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (no BOS, as Qwen's), the special tokens appended after the trained vocabulary."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=480, special_tokens=["<unk>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(english_corpus(), trainer)
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN_VL_SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        padding_side="left",
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
+    )
+
+
+def build_tiny_qwen2_vl(folder, *, seed: int = 0) -> Path:
+    """Write the checkpoint (config, safetensors, tokenizer, processor) to `folder`; returns it."""
+    folder = Path(folder)
+    tokenizer = build_qwen_vl_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+    )  # fmt: skip
+    vision = dict(
+        depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=PATCH_SIZE,
+        spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, hidden_act="quick_gelu",
+    )  # fmt: skip
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+        with torch.no_grad():  # HF's init leaves small weights; widen them so outputs depend on the inputs
+            for name, param in model.named_parameters():
+                if param.ndim >= 2 and "norm" not in name:
+                    param.normal_(0, 0.2)
+        model.save_pretrained(folder, safe_serialization=True)
+    processing = dict(
+        patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+    )  # fmt: skip
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**processing),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**processing),
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(folder)
+    return folder
