@@ -26,11 +26,15 @@ def data_url(path: Path, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(path.read_bytes()).decode()
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, default: float | None = None) -> float:
+    """A sample of /metrics; `default` when absent (a labelled counter appears at its first
+    increment), else absence fails."""
     import httpx
 
     text = httpx.get(url + "/metrics").text
-    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    if match is None and default is not None:
+        return default
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
 
