@@ -1,9 +1,10 @@
-"""Loading images from what users send: data URLs, local files and http(s) URLs, under a policy.
+"""Loading images and videos from what users send: data URLs, local files and http(s) URLs, under
+a policy.
 
 `read_media_bytes` is the IO part (it blocks on the network for http(s) URLs, up to
-`MediaPolicy.timeout` in all), `decode_image` the CPU part; `load_image_url` is both. The fetch
-itself (addresses vetted, redirects re-checked, one total deadline) is in media_fetch.py, the
-header checks and decoding in image_decode.py.
+`MediaPolicy.timeout` in all), `decode_image` / `decode_video` the CPU part; `load_image_url` and
+`load_video_url` are both. The fetch itself (addresses vetted, redirects re-checked, one total
+deadline) is in media_fetch.py, the header checks and decoding in image_decode.py and video.py.
 """
 
 from __future__ import annotations
@@ -24,19 +25,26 @@ from ..errors import InputError, InputTooLargeError
 from .image_decode import check_image, decode_image
 from .media_fetch import fetch_url
 from .media_policy import MediaPolicy
+from .video import VideoFrames, decode_video
 
 __all__ = [
     "IMAGE_MIME_TYPES",
     "LOCAL_FILES",
+    "VIDEO_MIME_TYPES",
     "MediaPolicy",
+    "VideoFrames",
     "check_image",
     "decode_image",
+    "decode_video",
     "is_http_url",
     "load_image_url",
+    "load_video_url",
     "read_media_bytes",
 ]
 
 IMAGE_MIME_TYPES = ("image/jpeg", "image/png", "image/webp", "image/gif", "image/bmp")
+VIDEO_MIME_TYPES = ("video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/x-msvideo")
+MIME_TYPES = {"image": IMAGE_MIME_TYPES, "video": VIDEO_MIME_TYPES}
 MAX_URL_CHARS = 8192  # for http(s) URLs and paths; data URLs are limited by max_bytes
 ASCII_WHITESPACE = b" \t\n\r\x0b\x0c"
 CONTROL_OR_SPACE = "".join(map(chr, range(33)))
@@ -45,6 +53,8 @@ SCHEME_CHARS = frozenset(string.ascii_letters + string.digits + "+-.")
 
 # For callers who own the machine (the offline API, the CLI): any local file in any format PIL
 # reads; no network. The size checks stay: they spare the HF processor images it cannot handle.
+# Videos keep the header-recognised containers: FFmpeg probing any format would follow playlists
+# (HLS, concat) inside a data URL to other files and URLs.
 LOCAL_FILES = MediaPolicy(allow_any_local=True, image_formats=None)
 
 
@@ -63,67 +73,74 @@ def is_http_url(url: str) -> bool:
     return url_scheme(url) in ("http", "https")
 
 
-def too_large(max_bytes: int) -> InputTooLargeError:
-    return InputTooLargeError(f"The image is over the size limit of {max_bytes} bytes.")
+def too_large(max_bytes: int, kind: str = "image") -> InputTooLargeError:
+    return InputTooLargeError(f"The {kind} is over the size limit of {max_bytes} bytes.")
 
 
-def read_media_bytes(url: str, policy: MediaPolicy) -> bytes:
-    """The bytes of the image at `url`: a `data:image/...;base64,` URL, a `file://` URL or local
-    path (under the policy's local-file rules), or an http(s) URL (if the policy fetches them).
+def read_media_bytes(url: str, policy: MediaPolicy, kind: str = "image") -> bytes:
+    """The bytes of the image (or, with kind="video", the video) at `url`: a `data:image/...;base64,`
+    (`data:video/...`) URL, a `file://` URL or local path (under the policy's local-file rules), or
+    an http(s) URL (if the policy fetches them).
 
-    Every failure is an InputError (InputTooLargeError over max_bytes) with a message fit for the
-    client; fetch failures all share one message (the reason goes to media_fetch's log)."""
+    Every failure is an InputError (InputTooLargeError over max_bytes, max_video_bytes for videos)
+    with a message fit for the client; fetch failures all share one message (the reason goes to
+    media_fetch's log)."""
+    if kind not in MIME_TYPES:
+        raise ValueError(f"kind must be one of {sorted(MIME_TYPES)}, not {kind!r}")
+    if kind == "video":  # the rest reads max_bytes
+        policy = dataclasses.replace(policy, max_bytes=policy.max_video_bytes)
     if url[:5].lower() == "data:":
-        return read_data_url(url, policy.max_bytes)
+        return read_data_url(url, policy.max_bytes, kind)
     if is_http_url(url):
         if not policy.fetch_urls:
-            raise InputError("http(s) image URLs are not fetched here; send a data URL instead.")
+            raise InputError(f"http(s) {kind} URLs are not fetched here; send a data URL instead.")
         if len(url) > MAX_URL_CHARS:
-            raise InputError(f"The image URL is over {MAX_URL_CHARS} characters long.")
-        return fetch_url(url, policy)
+            raise InputError(f"The {kind} URL is over {MAX_URL_CHARS} characters long.")
+        return fetch_url(url, policy, kind)
     scheme = url_scheme(url)
     if scheme not in ("", "file") and len(scheme) > 1:  # (a one-letter scheme is a Windows drive)
-        raise InputError(f"Unsupported image URL scheme {scheme[:20]!r}; send a data URL, http(s) or a file.")
-    return read_local_file(url, scheme == "file", policy)
+        raise InputError(f"Unsupported {kind} URL scheme {scheme[:20]!r}; send a data URL, http(s) or a file.")
+    return read_local_file(url, scheme == "file", policy, kind)
 
 
-def read_data_url(url: str, max_bytes: int) -> bytes:
+def read_data_url(url: str, max_bytes: int, kind: str = "image") -> bytes:
     """The bytes of a base64 data URL; line-wrapped base64 is fine, anything else not base64 is not."""
     header, _, payload = url.partition(",")
     params = [p.strip().lower() for p in header[5:].split(";")]
-    if params[0] not in IMAGE_MIME_TYPES:
+    mime_types = MIME_TYPES[kind]
+    if params[0] not in mime_types:
         shown = repr(params[0][:40]) if params[0] else "none"
-        raise InputError(f"Unsupported media type {shown}; send one of {', '.join(IMAGE_MIME_TYPES)}.")
+        raise InputError(f"Unsupported media type {shown}; send one of {', '.join(mime_types)}.")
     if "base64" not in params[1:]:
-        raise InputError("Image data URLs must be base64-encoded (data:image/png;base64,...).")
+        raise InputError(f"{kind.capitalize()} data URLs must be base64-encoded (data:{mime_types[0]};base64,...).")
     # The size the payload decodes to, from its length (4 characters carry 3 bytes), before any copy.
     chars = len(payload) - sum(payload.count(c) for c in ASCII_WHITESPACE.decode())
     if chars // 4 * 3 - 2 > max_bytes:
-        raise too_large(max_bytes)
+        raise too_large(max_bytes, kind)
     try:
         compact = b"".join(payload.encode("ascii").split())  # bytes.split() splits on ASCII whitespace only
         data = base64.b64decode(compact, validate=True)
     except (UnicodeEncodeError, binascii.Error, ValueError) as e:
-        raise InputError("The image data URL is not valid base64.") from e
+        raise InputError(f"The {kind} data URL is not valid base64.") from e
     if len(data) > max_bytes:
-        raise too_large(max_bytes)
+        raise too_large(max_bytes, kind)
     return data
 
 
-def read_local_file(url: str, is_file_url: bool, policy: MediaPolicy) -> bytes:
+def read_local_file(url: str, is_file_url: bool, policy: MediaPolicy, kind: str = "image") -> bytes:
     """The bytes of a local file: a regular file, inside the allowed folder unless any is allowed.
 
     Messages never show the resolved path; with allow_any_local (the caller owns the files) they
     repeat the path as given."""
     if not policy.allow_any_local and policy.allowed_local_dir is None:
-        raise InputError("Local image files are not read here; send a data URL instead.")
+        raise InputError(f"Local {kind} files are not read here; send a data URL instead.")
     try:
         given = unquote(urlsplit(url).path) if is_file_url else url
     except ValueError as e:
-        raise InputError("The image file URL is not valid.") from e
-    named = f"Image file {given[:300]}" if policy.allow_any_local else "The image file"
+        raise InputError(f"The {kind} file URL is not valid.") from e
+    named = f"{kind.capitalize()} file {given[:300]}" if policy.allow_any_local else f"The {kind} file"
     if len(given) > MAX_URL_CHARS:
-        raise InputError("The image file path is too long.")
+        raise InputError(f"The {kind} file path is too long.")
     try:
         path = Path(given).expanduser().resolve()
     except (OSError, ValueError, RuntimeError) as e:
@@ -146,7 +163,7 @@ def read_local_file(url: str, is_file_url: bool, policy: MediaPolicy) -> bytes:
         if not stat.S_ISREG(info.st_mode):
             raise InputError(f"{named} is not a regular file.")
         if info.st_size > policy.max_bytes:
-            raise too_large(policy.max_bytes)
+            raise too_large(policy.max_bytes, kind)
         with os.fdopen(fd, "rb", closefd=False) as file:
             data = file.read(policy.max_bytes + 1)
     except OSError as e:
@@ -154,7 +171,7 @@ def read_local_file(url: str, is_file_url: bool, policy: MediaPolicy) -> bytes:
     finally:
         os.close(fd)
     if len(data) > policy.max_bytes:  # it grew since fstat
-        raise too_large(policy.max_bytes)
+        raise too_large(policy.max_bytes, kind)
     return data
 
 
@@ -170,3 +187,21 @@ def load_image_url(url: str, policy: Optional[MediaPolicy] = None, **overrides: 
     if overrides:
         policy = dataclasses.replace(policy, **{LEGACY_NAMES.get(k, k): v for k, v in overrides.items()})
     return decode_image(read_media_bytes(url, policy), policy)
+
+
+def load_video_url(
+    url: str,
+    policy: Optional[MediaPolicy] = None,
+    *,
+    num_frames: Optional[int] = None,
+    fps: Optional[float] = None,
+    **overrides: Any,
+) -> VideoFrames:
+    """The frames sampled from the video at `url` (see read_media_bytes; `data:video/mp4;base64,...`,
+    a file or an http(s) URL under the same policy rules as images), checked and decoded under
+    `policy` (see video.decode_video for `num_frames` and `fps`). Keyword overrides replace policy
+    fields, as in load_image_url."""
+    policy = policy or MediaPolicy()
+    if overrides:
+        policy = dataclasses.replace(policy, **{LEGACY_NAMES.get(k, k): v for k, v in overrides.items()})
+    return decode_video(read_media_bytes(url, policy, "video"), policy, num_frames=num_frames, fps=fps)

@@ -67,26 +67,27 @@ def is_public_address(ip: IPAddress) -> bool:
     return ip.is_global and not special
 
 
-def fetch_url(url: str, policy: MediaPolicy) -> bytes:
-    """The body at an http(s) `url` under `policy` (see the module docstring). Raises InputError:
-    FETCH_FAILED for every network failure, DOMAIN_NOT_ALLOWED, or InputTooLargeError."""
+def fetch_url(url: str, policy: MediaPolicy, kind: str = "image") -> bytes:
+    """The body at an http(s) `url` under `policy` (see the module docstring), at most
+    policy.max_bytes. Raises InputError: FETCH_FAILED for every network failure, DOMAIN_NOT_ALLOWED,
+    or InputTooLargeError (with "video" for "image" in the messages when kind="video")."""
     deadline = time.monotonic() + policy.timeout
     try:
         for _ in range(policy.max_redirects + 1):
-            result = fetch_once(url, policy, deadline)
+            result = fetch_once(url, policy, deadline, kind)
             if isinstance(result, bytes):
                 return result
             url = result
         raise FetchFailed(f"more than {policy.max_redirects} redirects")
     except InputError as e:
-        logger.warning("Image fetch from %s refused: %s", for_log(url), e)
+        logger.warning("%s fetch from %s refused: %s", kind.capitalize(), for_log(url), e)
         raise
     except (FetchFailed, OSError, http.client.HTTPException, ValueError) as e:
-        logger.warning("Image fetch from %s failed: %s: %s", for_log(url), type(e).__name__, e)
-        raise InputError(FETCH_FAILED) from None
+        logger.warning("%s fetch from %s failed: %s: %s", kind.capitalize(), for_log(url), type(e).__name__, e)
+        raise InputError(FETCH_FAILED.replace("image", kind)) from None
 
 
-def fetch_once(url: str, policy: MediaPolicy, deadline: float) -> Union[bytes, str]:
+def fetch_once(url: str, policy: MediaPolicy, deadline: float, kind: str = "image") -> Union[bytes, str]:
     """The body at `url`, or the URL it redirects to."""
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
@@ -97,12 +98,12 @@ def fetch_once(url: str, policy: MediaPolicy, deadline: float) -> Union[bytes, s
     host = parts.hostname if parts.hostname.isascii() else parts.hostname.encode("idna").decode("ascii")
     port = parts.port or (443 if scheme == "https" else 80)
     if policy.allowed_domains is not None and normalize_host(host) not in policy.allowed_domains:
-        raise InputError(DOMAIN_NOT_ALLOWED)
+        raise InputError(DOMAIN_NOT_ALLOWED.replace("image", kind))
     addresses = vetted_addresses(host, port, policy.allow_private_networks, deadline)
     connection = (PinnedHTTPSConnection if scheme == "https" else PinnedHTTPConnection)(host, port, addresses, deadline)
     target = quote(parts.path or "/", safe="/%!$&'()*+,;=:@~") + (f"?{quote(parts.query, safe='/%!$&()*+,;=:@~?')}"
                                                                   if parts.query else "")  # fmt: skip
-    headers = {"User-Agent": "tessera", "Accept": "image/*", "Accept-Encoding": "identity", "Connection": "close"}
+    headers = {"User-Agent": "tessera", "Accept": f"{kind}/*", "Accept-Encoding": "identity", "Connection": "close"}
     try:
         connection.request("GET", target, headers=headers)
         response = connection.getresponse()
@@ -114,13 +115,13 @@ def fetch_once(url: str, policy: MediaPolicy, deadline: float) -> Union[bytes, s
         if not 200 <= response.status < 300:
             raise FetchFailed(f"HTTP {response.status}")
         if response.length is not None and response.length > policy.max_bytes:
-            raise InputTooLargeError(f"The image is over the size limit of {policy.max_bytes} bytes.")
-        return read_body(response, policy.max_bytes)
+            raise InputTooLargeError(f"The {kind} is over the size limit of {policy.max_bytes} bytes.")
+        return read_body(response, policy.max_bytes, kind)
     finally:
         connection.close()
 
 
-def read_body(response: http.client.HTTPResponse, max_bytes: int) -> bytes:
+def read_body(response: http.client.HTTPResponse, max_bytes: int, kind: str = "image") -> bytes:
     chunks, total = [], 0
     while True:
         chunk = response.read(min(CHUNK_BYTES, max_bytes + 1 - total))
@@ -129,7 +130,7 @@ def read_body(response: http.client.HTTPResponse, max_bytes: int) -> bytes:
         chunks.append(chunk)
         total += len(chunk)
         if total > max_bytes:
-            raise InputTooLargeError(f"The image is over the size limit of {max_bytes} bytes.")
+            raise InputTooLargeError(f"The {kind} is over the size limit of {max_bytes} bytes.")
 
 
 def remaining(deadline: float) -> float:

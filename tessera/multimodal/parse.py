@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import UserDict
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, NamedTuple, TypeVar, Union
+from typing import Any, Generic, NamedTuple, Optional, TypeVar, Union
 
 import numpy as np
 import torch
@@ -14,6 +14,7 @@ from PIL import Image
 from ..errors import InputError
 from .inputs import ImageItem, MultiModalDataDict
 from .media import MediaPolicy
+from .video import VideoFrames
 
 _T = TypeVar("_T")
 _I = TypeVar("_I", bound="ModalityDataItems")
@@ -94,6 +95,27 @@ class ImageEmbeddingItems(EmbeddingItems):
         super().__init__(data, "image")
 
 
+class VideoProcessorItems(ProcessorBatchItems[np.ndarray]):
+    """Videos, each a uint8 [T, H, W, 3] RGB array (vLLM's VideoProcessorItems); `metadata` holds
+    each video's `VideoFrames.metadata` when it came decoded from a file, else None."""
+
+    def __init__(
+        self, data: Sequence[np.ndarray], metadata: Optional[Sequence[Optional[dict[str, Any]]]] = None
+    ) -> None:
+        super().__init__(data, "video")
+        self.metadata = list(metadata) if metadata is not None else [None] * len(data)
+
+    def get_num_frames(self, item_index: int) -> int:
+        return int(self.get(item_index).shape[0])
+
+    def get_frame_size(self, item_index: int) -> ImageSize:
+        video = self.get(item_index)
+        return ImageSize(width=video.shape[2], height=video.shape[1])
+
+    def get_metadata(self, item_index: int) -> Optional[dict[str, Any]]:
+        return self.metadata[item_index]
+
+
 def image_size_of(image: ImageItem) -> ImageSize:
     if isinstance(image, Image.Image):
         return ImageSize(*image.size)
@@ -127,7 +149,9 @@ class MultiModalDataItems(UserDict[str, ModalityDataItems[Any]]):
 class MultiModalDataParser:
     """Validates user data. Images: PIL images, HWC uint8 arrays, CHW tensors or lists of them;
     precomputed embeddings under the key ``"image_embeds"``: a (num_items, feature_size, hidden)
-    tensor or a list of (feature_size, hidden) tensors."""
+    tensor or a list of (feature_size, hidden) tensors. Videos: one video as a uint8 [T, H, W, 3]
+    array, a list of PIL images, a list of HWC uint8 arrays or a decoded `VideoFrames`, or a list
+    of such videos."""
 
     def parse_mm_data(self, mm_data: MultiModalDataDict) -> MultiModalDataItems:
         items = MultiModalDataItems()
@@ -139,6 +163,8 @@ class MultiModalDataParser:
                 parsed: ModalityDataItems = self._parse_embeddings(modality, data)
             elif key == "image":
                 parsed = ImageProcessorItems(_as_image_list(data))
+            elif key == "video":
+                parsed = _as_video_items(data)
             else:
                 parsed = ProcessorBatchItems(data if isinstance(data, list) else [data], key)
             if parsed.get_count() == 0:
@@ -214,3 +240,75 @@ def _check_image_type(image: Any, index: int) -> ImageItem:
         f"{where} has unsupported type {type(image).__name__}; pass a PIL.Image.Image, an HWC uint8 "
         "numpy array or a CHW torch tensor."
     )
+
+
+VIDEO_FORMS = (
+    "a uint8 [T, H, W, 3] numpy array, a list of PIL images, a list of HWC uint8 numpy arrays or a "
+    "VideoFrames (tessera.multimodal.video.decode_video), or a list of such videos"
+)
+
+
+def _is_frame_list(data: Any) -> bool:
+    """A list of frames (one video), as opposed to a list of videos."""
+    return (
+        isinstance(data, (list, tuple))
+        and len(data) > 0
+        and all(isinstance(f, Image.Image) or (isinstance(f, np.ndarray) and f.ndim == 3) for f in data)
+    )
+
+
+def _as_video_items(data: Any) -> VideoProcessorItems:
+    if isinstance(data, (np.ndarray, VideoFrames)) or _is_frame_list(data):
+        data = [data]
+    elif not isinstance(data, (list, tuple)):
+        raise InputError(f"multi_modal_data['video'] has unsupported type {type(data).__name__}; pass {VIDEO_FORMS}.")
+    videos, metadata = [], []
+    for index, video in enumerate(data):
+        meta = None
+        if isinstance(video, VideoFrames):
+            video, meta = video.frames, video.metadata
+        videos.append(_check_video(video, index))
+        metadata.append(meta)
+    return VideoProcessorItems(videos, metadata)
+
+
+def _check_video(video: Any, index: int) -> np.ndarray:
+    where = f"Video {index}"
+    if _is_frame_list(video):
+        frames = [_check_frame(frame, where, i) for i, frame in enumerate(video)]
+        sizes = {f.shape for f in frames}
+        if len(sizes) > 1:
+            raise InputError(
+                f"{where} has frames of different sizes {sorted(sizes)}; all frames of a video must match."
+            )
+        video = np.stack(frames)
+    if not isinstance(video, np.ndarray):
+        raise InputError(f"{where} has unsupported type {type(video).__name__}; pass {VIDEO_FORMS}.")
+    if video.ndim != 4 or video.shape[3] != 3 or video.dtype != np.uint8:
+        raise InputError(
+            f"{where} is a numpy array of shape {video.shape} and dtype {video.dtype}; "
+            "expected a uint8 [T, H, W, 3] RGB array."
+        )
+    if video.shape[0] == 0:
+        raise InputError(f"{where} has no frames.")
+    height, width = video.shape[1:3]
+    if min(width, height) < MIN_IMAGE_SIDE:
+        raise InputError(
+            f"{where} has frames of {width}x{height} pixels; frames must be at least {MIN_IMAGE_SIDE} pixels "
+            "on each side."
+        )
+    return video
+
+
+def _check_frame(frame: Union[Image.Image, np.ndarray], where: str, index: int) -> np.ndarray:
+    if isinstance(frame, Image.Image):
+        try:
+            return np.asarray(frame.convert("RGB"))
+        except Exception as e:
+            raise InputError(f"{where}, frame {index} could not be decoded ({e}); pass complete, valid images.") from e
+    if frame.shape[2:] != (3,) or frame.dtype != np.uint8:
+        raise InputError(
+            f"{where}, frame {index} is a numpy array of shape {frame.shape} and dtype {frame.dtype}; "
+            "expected an HWC uint8 RGB array."
+        )
+    return frame

@@ -10,11 +10,13 @@ from .checkpoints import (
 from .gguf import build_tiny_gguf
 from .inputs import IMAGE_SIZES, LLAVA_PROMPTS, png_bytes, random_images
 from .tokenizer import CHATML_TEMPLATE, build_tokenizer
+from .video import VIDEO_COLORS, video_bytes, video_frame
 
 __all__ = [
     "CHATML_TEMPLATE",
     "IMAGE_SIZES",
     "LLAVA_PROMPTS",
+    "VIDEO_COLORS",
     "build_llava_15_shaped_processor_folder",
     "build_tiny_fuyu",
     "build_tiny_gguf",
@@ -23,4 +25,6 @@ __all__ = [
     "build_tokenizer",
     "png_bytes",
     "random_images",
+    "video_bytes",
+    "video_frame",
 ]

@@ -75,9 +75,9 @@ def test_tensor_batch_is_split_into_items():
 
 
 def test_other_modalities_are_passed_as_plural_key():
-    items = parse(video="clip")
-    assert isinstance(items["video"], ProcessorBatchItems)
-    assert items["video"].get_processor_data() == {"videos": ["clip"]}
+    items = parse(audio="clip")
+    assert isinstance(items["audio"], ProcessorBatchItems)
+    assert items["audio"].get_processor_data() == {"audios": ["clip"]}
 
 
 @pytest.mark.parametrize("empty", [[], np.zeros((0, H, W, 3), dtype=np.uint8)])
