@@ -5,7 +5,10 @@ The HF processor resizes each image to a multiple of patch_size * merge_size wit
 [min_pixels, max_pixels] (smart_resize) and cuts it into a [t, h, w] grid of patches (images:
 t = 1, the frame repeated over temporal_patch_size); each `<|image_pad|>` of the prompt becomes
 t * h * w / merge_size**2 pads, one per merged token. pixel_values is flat over all images
-(item i: its t * h * w rows), image_grid_thw one row per image.
+(item i: its t * h * w rows), image_grid_thw one row per image. Videos likewise: frames grouped by
+temporal_patch_size (the last one repeated to fill a group), each `<|video_pad|>` becoming
+t * h * w / merge_size**2 pads, pixel_values_videos flat, video_grid_thw one row per video. Our
+frames go to the HF video processor as given (do_sample_frames=False).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import BatchFeature, Qwen2VLConfig, Qwen2VLProcessor
@@ -31,6 +35,9 @@ from tessera.multimodal.processing import BaseMultiModalProcessor, BaseProcessin
 from tessera.multimodal.profiling import BaseDummyInputsBuilder
 
 MAX_ASPECT_RATIO = 200  # smart_resize refuses longer sides
+MAX_FRAMES_PER_VIDEO = 8
+"""Frames of the profiling video at most (vLLM caps them too): few, so that the profile run stays
+cheap and fits small KV caches; real checkpoints are bounded by the sequence length first."""
 
 
 class Qwen2VLProcessingInfo(BaseProcessingInfo):
@@ -41,7 +48,7 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
         return self.ctx.get_hf_processor(Qwen2VLProcessor, **kwargs)
 
     def get_supported_mm_limits(self) -> Mapping[str, Optional[int]]:
-        return {"image": None}
+        return {"image": None, "video": None}
 
     def _resize_params(self) -> tuple[int, int, int, int]:
         """(patch_size, merge_size, min_pixels, max_pixels) of the image processor."""
@@ -50,6 +57,45 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
         min_pixels = size.get("shortest_edge") or image_processor.min_pixels
         max_pixels = size.get("longest_edge") or image_processor.max_pixels
         return image_processor.patch_size, image_processor.merge_size, min_pixels, max_pixels
+
+    def _video_params(self) -> tuple[int, int, int, int, int]:
+        """(patch_size, merge_size, temporal_patch_size, min_pixels, max_pixels) of the video processor."""
+        video_processor = self.get_hf_processor().video_processor
+        size = getattr(video_processor, "size", None) or {}
+        get = size.get if isinstance(size, Mapping) else lambda key: getattr(size, key, None)
+        return (
+            video_processor.patch_size, video_processor.merge_size, video_processor.temporal_patch_size,
+            get("shortest_edge"), get("longest_edge"),
+        )  # fmt: skip
+
+    def get_num_video_tokens(self, *, image_width: int, image_height: int, num_frames: int) -> int:
+        patch, merge, temporal, min_pixels, max_pixels = self._video_params()
+        height, width = smart_resize(image_height, image_width, patch * merge, min_pixels, max_pixels)
+        grid_t = -(-max(num_frames, 1) // temporal)
+        return grid_t * (height // patch) * (width // patch) // merge**2
+
+    def _get_max_video_frames(self, max_tokens: int) -> int:
+        """The most frames of the largest size whose video stays within `max_tokens` (vLLM's rule;
+        at most the video processor's max_frames)."""
+        width, height = self.get_image_size_with_most_features()
+        temporal = self._video_params()[2]
+        per_patch = self.get_num_video_tokens(image_width=width, image_height=height, num_frames=temporal)
+        max_frames = getattr(self.get_hf_processor().video_processor, "max_frames", None) or 768
+        return min(max(max_tokens, 0) // per_patch * temporal, max_frames)
+
+    def get_num_frames_with_most_features(self, seq_len: int, mm_counts: Mapping[str, int]) -> int:
+        """Frames of each profiling video (vLLM's rule): what the sequence leaves after the images,
+        shared by the videos, at most MAX_FRAMES_PER_VIDEO; whole temporal patches, at least one."""
+        temporal = self._video_params()[2]
+        max_images, max_videos = mm_counts.get("image", 0), mm_counts.get("video", 0)
+        max_total_frames = self._get_max_video_frames(seq_len - self.get_max_image_tokens() * max_images)
+        num_frames = min(max_total_frames // max(max_videos, 1), MAX_FRAMES_PER_VIDEO)
+        return max(num_frames // temporal * temporal, temporal)
+
+    def get_max_video_tokens(self, seq_len: int, mm_counts: Mapping[str, int]) -> int:
+        width, height = self.get_image_size_with_most_features()
+        num_frames = self.get_num_frames_with_most_features(seq_len, mm_counts)
+        return self.get_num_video_tokens(image_width=width, image_height=height, num_frames=num_frames)
 
     def get_num_image_tokens(self, *, image_width: int, image_height: int) -> int:
         patch, merge, min_pixels, max_pixels = self._resize_params()
@@ -73,16 +119,25 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
         return self.get_num_image_tokens(image_width=width, image_height=height)
 
     def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, int]:
-        return {"image": self.get_max_image_tokens()}
+        return {"image": self.get_max_image_tokens(), "video": self.get_max_video_tokens(seq_len, mm_counts)}
 
 
 class Qwen2VLDummyInputsBuilder(BaseDummyInputsBuilder[Qwen2VLProcessingInfo]):
     def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
-        return self.info.get_hf_processor().image_token * mm_counts.get("image", 0)  # as vLLM: pads alone
+        processor = self.info.get_hf_processor()  # as vLLM: pads alone
+        return processor.image_token * mm_counts.get("image", 0) + processor.video_token * mm_counts.get("video", 0)
 
     def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int]):
+        """Black images and videos of the largest size (videos: as many frames as vLLM's rule gives)."""
         width, height = self.info.get_image_size_with_most_features()
-        return {"image": self._get_dummy_images(width=width, height=height, num_images=mm_counts.get("image", 0))}
+        data: dict[str, object] = {}
+        if mm_counts.get("image", 0):
+            data["image"] = self._get_dummy_images(width=width, height=height, num_images=mm_counts["image"])
+        if mm_counts.get("video", 0):
+            num_frames = self.info.get_num_frames_with_most_features(seq_len, mm_counts)
+            video = np.zeros((num_frames, height, width, 3), dtype=np.uint8)
+            data["video"] = [video] * mm_counts["video"]
+        return data
 
 
 class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor[Qwen2VLProcessingInfo]):
@@ -90,10 +145,22 @@ class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor[Qwen2VLProcessingInfo])
         self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]
     ) -> Mapping[str, MultiModalFieldConfig]:
         image_grid_thw = hf_inputs.get("image_grid_thw", torch.empty((0, 3)))
+        video_grid_thw = hf_inputs.get("video_grid_thw", torch.empty((0, 3)))
         return dict(
             pixel_values=MultiModalFieldConfig.flat_from_sizes("image", image_grid_thw.prod(-1)),
             image_grid_thw=MultiModalFieldConfig.batched("image"),
+            pixel_values_videos=MultiModalFieldConfig.flat_from_sizes("video", video_grid_thw.prod(-1)),
+            video_grid_thw=MultiModalFieldConfig.batched("video"),
         )
+
+    def _call_hf_processor(
+        self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object]
+    ) -> BatchFeature:
+        """Videos: the frames as given (transformers' Qwen2-VL video processor samples none by
+        default; said explicitly, as vLLM does, unless the caller's kwargs choose)."""
+        if "videos" not in mm_data or "do_sample_frames" in self.info.ctx.get_merged_mm_kwargs(mm_kwargs):
+            return super()._call_hf_processor(prompt, mm_data, mm_kwargs)
+        return super()._call_hf_processor(prompt, {**mm_data, "do_sample_frames": False}, mm_kwargs)
 
     def _get_prompt_updates(
         self,
@@ -103,13 +170,20 @@ class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor[Qwen2VLProcessingInfo])
     ) -> Sequence[PromptUpdate]:
         hf_config = self.info.get_hf_config()
         merge_size = hf_config.vision_config.spatial_merge_size
-        image_items = out_mm_kwargs.get_items("image") if out_mm_kwargs.get_item_count("image") else []
 
-        def get_replacement(item_idx: int) -> list[int]:
-            grid_thw = image_items[item_idx]["image_grid_thw"].data
-            return [hf_config.image_token_id] * (int(grid_thw.prod()) // merge_size**2)
+        def replacement_for(modality: str, token_id: int):
+            items = out_mm_kwargs.get_items(modality) if out_mm_kwargs.get_item_count(modality) else []
 
-        return [PromptReplacement(modality="image", target=[hf_config.image_token_id], replacement=get_replacement)]
+            def get_replacement(item_idx: int) -> list[int]:
+                grid_thw = items[item_idx][f"{modality}_grid_thw"].data
+                return [token_id] * (int(grid_thw.prod()) // merge_size**2)
+
+            return PromptReplacement(modality=modality, target=[token_id], replacement=get_replacement)
+
+        return [
+            replacement_for("image", hf_config.image_token_id),
+            replacement_for("video", hf_config.video_token_id),
+        ]
 
 
 @MULTIMODAL_REGISTRY.register_processor(
@@ -129,7 +203,11 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> Optional[str]:
-        return "<|vision_start|><|image_pad|><|vision_end|>" if modality == "image" else None
+        if modality == "image":
+            return "<|vision_start|><|image_pad|><|vision_end|>"
+        if modality == "video":
+            return "<|vision_start|><|video_pad|><|vision_end|>"
+        return None
 
     def __init__(self, config: Qwen2VLConfig) -> None:
         super().__init__()
@@ -139,23 +217,29 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
             text_config.tie_word_embeddings = config.tie_word_embeddings
         self.visual = Qwen2VisionTransformer(config.vision_config)
         self.language_model = ModelRegistry.resolve_text_model_cls(text_config)(text_config)
-        self.placeholder_token_id = config.image_token_id
+        self.placeholder_token_id = [config.image_token_id, config.video_token_id]
         self.spatial_merge_size = config.vision_config.spatial_merge_size
 
     def get_language_model(self) -> nn.Module:
         return self.language_model
 
     def get_multimodal_embeddings(self, **kwargs: object) -> Optional[MultiModalEmbeddings]:
-        """One [t * h * w / merge**2, hidden] tensor per image."""
-        pixel_values, grid_thw = kwargs.get("pixel_values"), kwargs.get("image_grid_thw")
-        if pixel_values is None:
-            return None
+        """One [t * h * w / merge**2, hidden] tensor per image, then per video (the engine passes
+        one modality per call, so the items come back in the order given)."""
+        embeddings = []
+        for pixels_key, grid_key in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+            if kwargs.get(pixels_key) is not None:
+                embeddings += self._embed_vision(kwargs[pixels_key], kwargs.get(grid_key), pixels_key, grid_key)
+        return embeddings or None
+
+    def _embed_vision(self, pixel_values: Any, grid_thw: Any, pixels_key: str, grid_key: str) -> list[torch.Tensor]:
+        """The vision tower on flat patches [num_patches, patch_dim] of items whose grids are `grid_thw`."""
         if isinstance(pixel_values, (list, tuple)):
             pixel_values = torch.cat(list(pixel_values))
         if isinstance(grid_thw, (list, tuple)):
             grid_thw = torch.stack([torch.as_tensor(g).reshape(3) for g in grid_thw])
         if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 2 or grid_thw is None:
-            raise ValueError("pixel_values must be a (num_patches, patch_dim) tensor, with image_grid_thw")
+            raise ValueError(f"{pixels_key} must be a (num_patches, patch_dim) tensor, with {grid_key}")
         grid_thw = torch.as_tensor(grid_thw).reshape(-1, 3)
         dtype, device = module_dtype_device(self.visual)
         embeds = self.visual(pixel_values.to(device=device, dtype=dtype), grid_thw)
@@ -165,16 +249,18 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
     def get_mrope_input_positions(
         self, input_tokens: list[int], mm_features: Sequence[Any]
     ) -> tuple[torch.Tensor, int]:
-        """Each image's grid placed at its first embedding token (mrope_positions.py)."""
+        """Each image's and video's grid placed at its first embedding token (mrope_positions.py);
+        Qwen2-VL steps video frames by 1 (transformers' get_rope_index: time_interval 1)."""
         grids = []
         for feature in mm_features:
-            if feature.modality != "image":
-                raise ValueError(f"Qwen2-VL takes images; got a {feature.modality}")
+            if feature.modality not in ("image", "video"):
+                raise ValueError(f"Qwen2-VL takes images and videos; got a {feature.modality}")
             position = feature.mm_position
             offset = position.offset
             if position.is_embed is not None:
                 offset += int(torch.as_tensor(position.is_embed).nonzero()[0, 0])
-            grid_thw = tuple(int(x) for x in torch.as_tensor(feature.data["image_grid_thw"].data).reshape(3))
+            grid = feature.data[f"{feature.modality}_grid_thw"].data
+            grid_thw = tuple(int(x) for x in torch.as_tensor(grid).reshape(3))
             grids.append(VisionGrid(offset, grid_thw))
         return mrope_input_positions(len(input_tokens), grids, self.spatial_merge_size)
 

@@ -4,6 +4,7 @@ ending inside images), prefix caching and preemption."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoProcessor
@@ -13,7 +14,8 @@ from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.models.loader import load_model
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.testing import random_images
+from tessera.multimodal.video import decode_video
+from tessera.testing import random_images, video_bytes
 from tessera.testing.generation import greedy_logprobs
 from tessera.testing.qwen_vl import build_tiny_qwen2_vl
 
@@ -153,3 +155,144 @@ def test_greedy_tokens_match_hf_alone_and_batched(qwen2_vl, options):
         assert llm.engine.block_manager.prefix_hits > hits
     if options == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
+
+
+# ---- videos ------------------------------------------------------------------------------------------
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+MIXED = f"<|im_start|>user\n{IMAGE} and {VIDEO} Compare them.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def random_video(num_frames: int, width: int, height: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def clip():
+    """4 frames 32x32 encoded and decoded again (the media path's frames)."""
+    return decode_video(video_bytes(num_frames=4, width=32, height=32, fps=4)).frames
+
+
+def mixed_data(clip):
+    return {"image": random_images([(60, 40)], seed=7), "video": [clip]}
+
+
+def hf_inputs(hf_processor, prompt, data):
+    return hf_processor(
+        text=prompt, images=data.get("image"), videos=data.get("video"), do_sample_frames=False, return_tensors="pt"
+    )
+
+
+@pytest.mark.parametrize("cache_gb", [0, 1])
+@pytest.mark.parametrize("case", ["clip", "odd-frames", "two-videos", "image-and-video"])
+def test_video_processor_matches_hf(qwen2_vl, clip, case, cache_gb):
+    folder, _, hf_processor, _ = qwen2_vl
+    processor = MULTIMODAL_REGISTRY.create_processor(folder, mm_processor_cache_gb=cache_gb)
+    prompt, data = {
+        "clip": (f"<|im_start|>user\n{VIDEO} What happens?<|im_end|>\n", {"video": [clip]}),
+        "odd-frames": (f"{VIDEO} What happens?", {"video": [random_video(3, 56, 40)]}),
+        "two-videos": (f"{VIDEO} and {VIDEO}", {"video": [random_video(5, 30, 70, 1), random_video(2, 90, 20, 2)]}),
+        "image-and-video": (MIXED, mixed_data(clip)),
+    }[case]
+    hf = hf_inputs(hf_processor, prompt, data)
+    for _ in range(2):  # the second call hits the processor cache when there is one
+        out = processor.apply(prompt, data)
+        assert out["prompt_token_ids"] == hf["input_ids"][0].tolist()
+        for modality, pixels_key, token_id in [
+            ("image", "pixel_values", hf_processor.image_token_id),
+            ("video", "pixel_values_videos", hf_processor.video_token_id),
+        ]:
+            if modality not in data:
+                assert modality not in out["mm_placeholders"]
+                continue
+            items = out["mm_kwargs"].get_items(modality)
+            torch.testing.assert_close(torch.cat([item[pixels_key].data for item in items]), hf[pixels_key])
+            grids = torch.stack([item[f"{modality}_grid_thw"].data for item in items])
+            assert grids.tolist() == hf[f"{modality}_grid_thw"].tolist()
+            for placeholder, grid in zip(out["mm_placeholders"][modality], grids):
+                assert placeholder.length == int(grid.prod()) // 4
+                span = hf["input_ids"][0, placeholder.offset : placeholder.offset + placeholder.length]
+                assert span.eq(token_id).all()
+    for video, grid in zip(data["video"], hf["video_grid_thw"]):
+        frames, height, width, _ = video.shape
+        num_tokens = processor.info.get_num_video_tokens(image_width=width, image_height=height, num_frames=frames)
+        assert num_tokens == int(grid.prod()) // 4
+
+
+def test_max_video_tokens_is_what_the_dummy_video_gets(qwen2_vl):
+    folder, _, hf_processor, _ = qwen2_vl
+    processor = MULTIMODAL_REGISTRY.create_processor(folder)
+    counts = {"image": 1, "video": 1}
+    (video,) = processor.dummy_inputs.get_dummy_mm_data(1024, counts)["video"]
+    grid = hf_processor.video_processor(videos=[video], do_sample_frames=False, return_tensors="pt")["video_grid_thw"]
+    assert processor.info.get_mm_max_tokens_per_item(1024, counts)["video"] == int(grid.prod()) // 4 == 48
+    assert processor.info.get_max_video_tokens(12 + 24, counts) == 24  # what the sequence leaves after the image
+
+
+def test_video_tower_matches_hf(qwen2_vl, clip):
+    folder, hf_model, hf_processor, _ = qwen2_vl
+    model = load_model(ModelConfig(str(folder), device="cpu"))
+    inputs = hf_processor.video_processor(videos=[clip, random_video(3, 56, 40)], do_sample_frames=False,
+                                          return_tensors="pt")  # fmt: skip
+    with torch.no_grad():
+        ours = model.get_multimodal_embeddings(**inputs)
+        expected = hf_model.model.get_video_features(**inputs).pooler_output
+    assert [e.shape for e in ours] == [e.shape for e in expected]
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def hf_mixed(qwen2_vl, clip):
+    """HF's inputs for MIXED, its last-token log-probs and its greedy tokens."""
+    _, hf_model, hf_processor, _ = qwen2_vl
+    inputs = hf_inputs(hf_processor, MIXED, mixed_data(clip))
+    with torch.no_grad():
+        logprobs = hf_model(**inputs).logits[0, -1].log_softmax(-1)
+        out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+    return inputs, logprobs, out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_mixed_prefill_logits_match_hf(qwen2_vl, clip, hf_mixed):
+    folder = qwen2_vl[0]
+    _, expected, _ = hf_mixed
+    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory="4MiB", enable_prefix_caching=False)
+    request = {"prompt": MIXED, "multi_modal_data": mixed_data(clip)}
+    ((_, logprobs),) = greedy_logprobs(llm, [request], 1, expected.shape[0])
+    torch.testing.assert_close(logprobs[0], expected, atol=1e-4, rtol=0)
+
+
+def test_mixed_mrope_positions_match_hf(qwen2_vl, clip, hf_mixed):
+    folder, hf_model, _, _ = qwen2_vl
+    hf, _, _ = hf_mixed
+    model = load_model(ModelConfig(str(folder), device="cpu"))
+    expected, expected_delta = hf_model.model.get_rope_index(
+        hf["input_ids"], mm_token_type_ids=hf["mm_token_type_ids"], image_grid_thw=hf["image_grid_thw"],
+        video_grid_thw=hf["video_grid_thw"], attention_mask=hf["attention_mask"],
+    )  # fmt: skip
+    out = MULTIMODAL_REGISTRY.create_processor(folder).apply(MIXED, mixed_data(clip))
+
+    class Feature:  # what the engine passes: vLLM's MultiModalFeatureSpec fields
+        def __init__(self, modality, item, placeholder):
+            self.modality, self.data, self.mm_position = modality, item, placeholder
+
+    features = [
+        Feature(modality, item, placeholder)
+        for modality in ("video", "image")  # any order: the positions follow the placeholders
+        for item, placeholder in zip(out["mm_kwargs"].get_items(modality), out["mm_placeholders"][modality])
+    ]
+    positions, delta = model.get_mrope_input_positions(out["prompt_token_ids"], features)
+    assert positions.tolist() == expected[:, 0].tolist()
+    assert delta == int(expected_delta)
+
+
+@pytest.mark.parametrize("options", ["default", "chunked-prefill"])
+def test_mixed_greedy_tokens_match_hf(qwen2_vl, clip, hf_mixed, options):
+    folder = qwen2_vl[0]
+    _, _, expected = hf_mixed
+    # 5-token chunks: the 8-token video (and the 6-token image) are cut between chunks
+    kwargs = {"default": {}, "chunked-prefill": {"max_num_batched_tokens": 5}}[options]
+    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory="4MiB", enable_prefix_caching=False, **kwargs)
+    request = {"prompt": MIXED, "multi_modal_data": mixed_data(clip)}
+    assert tokens(llm, [request]) == [expected]
+    assert tokens(llm, [request, PROMPTS[0][0]])[0] == expected  # batched with a text prompt
