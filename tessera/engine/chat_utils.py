@@ -1,7 +1,9 @@
 """OpenAI-style conversations to engine prompts, through the model's chat template.
 
-Shared by `LLM.chat` and the server; they differ only in how an image URL is loaded (the server
-restricts local files and fetches http(s) with limits)."""
+Shared by `LLM.chat` and the server; they differ only in how an image or video URL is loaded (the
+server restricts local files and fetches http(s) with limits). Image parts ("image_url",
+"image_pil") and video parts ("video_url") become "image" and "video" items, each modality's in
+the order of its parts, and `{"type": "image"}` / `{"type": "video"}` parts for the template."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from ..errors import InputError
 
 Message = Mapping[str, Any]
 ImageLoader = Callable[[str], Any]
+VideoLoader = Callable[[str], Any]
+Placeholder = Callable[[int], Optional[str]]
 
 
 def image_url_of(part: Mapping[str, Any]) -> str:
@@ -23,6 +27,18 @@ def image_url_of(part: Mapping[str, Any]) -> str:
     if not isinstance(url, str) or not url:
         raise InputError("An image_url content part needs {'image_url': {'url': 'data:image/...;base64,...'}}.")
     return url
+
+
+def video_url_of(part: Mapping[str, Any]) -> str:
+    value = part.get("video_url")
+    url = value.get("url") if isinstance(value, Mapping) else value
+    if not isinstance(url, str) or not url:
+        raise InputError("A video_url content part needs {'video_url': {'url': 'data:video/mp4;base64,...'}}.")
+    return url
+
+
+def no_video(url: str) -> Any:
+    raise InputError("Video input (a video_url part) is not supported here; send images or text.")
 
 
 def parse_chat_messages(
@@ -39,11 +55,27 @@ def parse_chat_messages_with_uuids(
     messages: Sequence[Message], load_image: ImageLoader, image_text: Optional[str] = None
 ) -> tuple[list[dict], list[Any], list[Optional[str]]]:
     """As parse_chat_messages, with the images' ids aligned with them: an image part's "uuid"
-    (vLLM's field, beside "image_url" or "image_pil"), None where a part has none."""
+    (vLLM's field, beside "image_url" or "image_pil"), None where a part has none. A video part
+    is an InputError here (see parse_chat_media)."""
+    hf_messages, media, uuids = parse_chat_media(messages, load_image, image_text)
+    return hf_messages, media["image"], uuids["image"]
+
+
+def parse_chat_media(
+    messages: Sequence[Message],
+    load_image: ImageLoader,
+    image_text: Optional[str] = None,
+    *,
+    load_video: VideoLoader = no_video,
+) -> tuple[list[dict], dict[str, list[Any]], dict[str, list[Optional[str]]]]:
+    """(HF messages, {"image": [...], "video": [...]} loaded in order of appearance, their ids
+    {"image": [...], "video": [...]}). `load_video(url)` loads a video_url part's video (by
+    default video parts are refused); in pipeline mode (`image_text`) videos are refused."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InputError(f"messages must be a list of message objects, got {type(messages).__name__}.")
-    images: list[Any] = []
-    uuids: list[Optional[str]] = []
+    media: dict[str, list[Any]] = {"image": [], "video": []}
+    uuids: dict[str, list[Optional[str]]] = {"image": [], "video": []}
+    images = media["image"]
     hf_messages = []
     for m, message in enumerate(messages):
         if not isinstance(message, Mapping):
@@ -85,16 +117,28 @@ def parse_chat_messages_with_uuids(
                     images.append(part["image_pil"])
                 else:
                     raise InputError(f"{where}: an image_pil part needs {{'image_pil': <PIL image>}}.")
-                uuids.append(uuid)
+                uuids["image"].append(uuid)
                 parts.append({"type": "image"})
+            elif kind == "video_url":
+                uuid = part.get("uuid")
+                if not isinstance(uuid, (str, type(None))):
+                    raise InputError(f"{where}.uuid must be a string (the video's id), got {_kind(uuid)}.")
+                url = video_url_of(part)
+                if image_text is not None:
+                    raise InputError("Video input is not supported with a multimodal pipeline; send images or text.")
+                media["video"].append(load_video(url))
+                uuids["video"].append(uuid)
+                parts.append({"type": "video"})
             else:
-                raise InputError(f"{where}: unsupported content part type {kind!r}; use 'text' or 'image_url'.")
+                raise InputError(
+                    f"{where}: unsupported content part type {kind!r}; use 'text', 'image_url' or 'video_url'."
+                )
         if image_text is not None:
             text = "".join(image_text if p["type"] == "image" else p["text"] for p in parts)
             hf_messages.append({"role": role, "content": text})
         else:
             hf_messages.append({"role": role, "content": parts})
-    return hf_messages, images, uuids
+    return hf_messages, media, uuids
 
 
 def _kind(value: Any) -> str:
@@ -127,18 +171,21 @@ def detect_content_format(chat_template: str) -> Literal["string", "openai"]:
 
 
 def as_string_content(
-    hf_messages: list[dict], placeholder: Optional[Callable[[int], Optional[str]]] = None
+    hf_messages: list[dict], placeholder: Optional[Placeholder] = None, video_placeholder: Optional[Placeholder] = None
 ) -> list[dict]:
     """Messages with each content list joined into one string, as vLLM's "string" format: the
-    model's placeholder for each of the message's images first, then its texts, one per line."""
-    joined, image_index = [], 0
+    model's placeholder for each of the message's images and videos first (in their order), then
+    its texts, one per line."""
+    joined, index = [], {"image": 0, "video": 0}
     for message in hf_messages:
         content = message["content"]
         if isinstance(content, list):
             pieces = []
-            for part in (p for p in content if p["type"] == "image"):
-                pieces.append((placeholder(image_index) if placeholder else None) or "")
-                image_index += 1
+            for part in (p for p in content if p["type"] in index):
+                kind = part["type"]
+                text_of = placeholder if kind == "image" else video_placeholder
+                pieces.append((text_of(index[kind]) if text_of else None) or "")
+                index[kind] += 1
             pieces = [p for p in pieces if p] + [p["text"] for p in content if p["type"] == "text"]
             content = "\n".join(pieces)
         joined.append({**message, "content": content})
@@ -148,26 +195,42 @@ def as_string_content(
 def render_prompt(
     renderer: Any, chat_template: Optional[str], hf_messages: list[dict], images: list[Any],
     add_generation_prompt: bool = True, *, uuids: Optional[Sequence[Optional[str]]] = None,
-    content_format: ContentFormat = "auto", placeholder: Optional[Callable[[int], Optional[str]]] = None,
+    content_format: ContentFormat = "auto", placeholder: Optional[Placeholder] = None,
+    videos: Sequence[Any] = (), video_uuids: Optional[Sequence[Optional[str]]] = None,
+    video_placeholder: Optional[Placeholder] = None,
 ) -> dict:  # fmt: skip
-    """The engine prompt for parsed messages and their loaded images (and the images' ids, if any
-    is named: "multi_modal_uuids"). Message content goes to the template as a list of parts or as
-    one string, as the template expects (`content_format`; "auto" reads the template)."""
+    """The engine prompt for parsed messages and their loaded images and videos (and their ids, if
+    any is named: "multi_modal_uuids"). Message content goes to the template as a list of parts or
+    as one string, as the template expects (`content_format`; "auto" reads the template)."""
     if chat_template is None:
         raise InputError("This model has no chat template; pass chat_template=... or use generate().")
     if content_format not in ("auto", "string", "openai"):
         raise InputError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {content_format!r}.")
     if (content_format == "auto" and detect_content_format(chat_template) == "string") or content_format == "string":
-        hf_messages = as_string_content(hf_messages, placeholder)
+        hf_messages = as_string_content(hf_messages, placeholder, video_placeholder)
     prompt = renderer.apply_chat_template(
         hf_messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
     )
     prompt = without_template_bos(renderer, prompt)
-    if not images:
-        return {"prompt": prompt}
-    engine_prompt = {"prompt": prompt, "multi_modal_data": {"image": images}}
-    if uuids is not None and any(uuid is not None for uuid in uuids):
-        engine_prompt["multi_modal_uuids"] = {"image": list(uuids)}
+    return with_media(prompt, {"image": images, "video": videos}, {"image": uuids, "video": video_uuids})
+
+
+def with_media(
+    prompt: str, media: Mapping[str, Sequence[Any]], uuids: Optional[Mapping[str, Optional[Sequence[Any]]]] = None
+) -> dict:
+    """{"prompt": prompt} with "multi_modal_data" for the modalities that have items, and
+    "multi_modal_uuids" for those where an item is named."""
+    engine_prompt: dict = {"prompt": prompt}
+    data = {kind: list(items) for kind, items in media.items() if len(items)}
+    if not data:
+        return engine_prompt
+    engine_prompt["multi_modal_data"] = data
+    named = {
+        kind: list(ids) for kind, ids in (uuids or {}).items()
+        if kind in data and ids is not None and any(uuid is not None for uuid in ids)
+    }  # fmt: skip
+    if named:
+        engine_prompt["multi_modal_uuids"] = named
     return engine_prompt
 
 
@@ -200,28 +263,42 @@ def render_chat(
     image_text: Optional[str] = None,
     *,
     content_format: ContentFormat = "auto",
-    placeholder: Optional[Callable[[int], Optional[str]]] = None,
+    placeholder: Optional[Placeholder] = None,
+    load_video: VideoLoader = no_video,
+    video_placeholder: Optional[Placeholder] = None,
 ) -> dict:
-    """The engine prompt for a conversation: {"prompt": text, "multi_modal_data": {"image": [...]}},
-    with "multi_modal_uuids": {"image": [...]} when an image part has a "uuid". `renderer` is the
-    model's HF processor (or tokenizer for text-only models)."""
-    hf_messages, images, uuids = parse_chat_messages_with_uuids(messages, load_image, image_text)
-    return render_prompt(renderer, chat_template, hf_messages, images, add_generation_prompt, uuids=uuids,
-                         content_format=content_format, placeholder=placeholder)  # fmt: skip
+    """The engine prompt for a conversation: {"prompt": text, "multi_modal_data": {"image": [...],
+    "video": [...]}} (the modalities it has), with "multi_modal_uuids" when a part has a "uuid".
+    `renderer` is the model's HF processor (or tokenizer for text-only models)."""
+    hf_messages, media, uuids = parse_chat_media(messages, load_image, image_text, load_video=load_video)
+    return render_prompt(renderer, chat_template, hf_messages, media["image"], add_generation_prompt,
+                         uuids=uuids["image"], content_format=content_format, placeholder=placeholder,
+                         videos=media["video"], video_uuids=uuids["video"],
+                         video_placeholder=video_placeholder)  # fmt: skip
 
 
 def render_plain(
-    messages: Sequence[Message], load_image: ImageLoader, placeholder: Optional[Callable[[int], Optional[str]]]
+    messages: Sequence[Message],
+    load_image: ImageLoader,
+    placeholder: Optional[Placeholder],
+    *,
+    load_video: VideoLoader = no_video,
+    video_placeholder: Optional[Placeholder] = None,
 ) -> dict:
     """For a model without a chat template (e.g. Fuyu, or a text model with a pipeline): the last
-    message as it is, its text parts joined by spaces after its images' placeholders."""
+    message as it is, its text parts joined by spaces after its images' and videos' placeholders."""
     parts = messages[-1]["content"]
     if isinstance(parts, str):
         parts = [{"type": "text", "text": parts}]
     text = " ".join(p["text"] for p in parts if p["type"] == "text")
-    urls = [image_url_of(p) for p in parts if p["type"] == "image_url"]
-    text = "".join((placeholder(i) if placeholder else None) or "" for i in range(len(urls))) + text
-    prompt: dict = {"prompt": text}
-    if urls:
-        prompt["multi_modal_data"] = {"image": [load_image(url) for url in urls]}
-    return prompt
+    media: dict[str, list[Any]] = {"image": [], "video": []}
+    prefix = ""
+    for part in parts:
+        if part["type"] == "image_url":
+            prefix += (placeholder(len(media["image"])) if placeholder else None) or ""
+            media["image"].append(image_url_of(part))
+        elif part["type"] == "video_url":
+            prefix += (video_placeholder(len(media["video"])) if video_placeholder else None) or ""
+            media["video"].append(video_url_of(part))
+    media = {"image": [load_image(url) for url in media["image"]], "video": [load_video(url) for url in media["video"]]}
+    return with_media(prefix + text, media)

@@ -16,7 +16,7 @@ from ..config import ModelConfig
 from ..errors import InputError
 from ..multimodal.inline_images import inline_images_to_prompt
 from ..sampling_params import SamplingParams
-from .chat_utils import ContentFormat, ImageLoader, Message, render_chat, render_plain
+from .chat_utils import ContentFormat, ImageLoader, Message, Placeholder, VideoLoader, render_chat, render_plain
 from .prompt import PromptInputs, PromptType, longest_token_chars, process_prompt
 
 
@@ -40,9 +40,11 @@ class InputPreprocessor:
         *,
         chat_renderer: tuple[Any, Optional[str]] = (None, None),
         placeholder: Optional[Callable[[int], Optional[str]]] = None,
+        video_placeholder: Optional[Placeholder] = None,
     ) -> None:
         """`chat_renderer`: (what renders chat templates, the text an image part becomes in pipeline
-        mode or None); `placeholder(i)`: the model's prompt text for image i, if it has one."""
+        mode or None); `placeholder(i)`: the model's prompt text for image i, if it has one;
+        `video_placeholder(i)`: its text for video i, given only for a model that takes videos."""
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.processor = processor  # the model's BaseMultiModalProcessor, or None for a text model
@@ -50,6 +52,7 @@ class InputPreprocessor:
         self.renderer, self.image_text = chat_renderer
         self.chat_template: Optional[str] = getattr(self.renderer, "chat_template", None)
         self.placeholder = placeholder
+        self.video_placeholder = video_placeholder
         text_config = model_config.hf_config.get_text_config()
         self.vocab_size = text_config.vocab_size  # token ids a prompt may hold: rows of the embedding table
         # No text longer than this can fit the context (every token covers at most this many
@@ -73,14 +76,40 @@ class InputPreprocessor:
         chat_template: Optional[str] = None,
         content_format: ContentFormat = "auto",
         plain_fallback: bool = False,
+        load_video: Optional[VideoLoader] = None,
     ) -> dict:
         """The prompt dict for an OpenAI-style conversation through the model's chat template (or
-        `chat_template`); with `plain_fallback`, a model without one gets its last message as it is."""
+        `chat_template`); with `plain_fallback`, a model without one gets its last message as it is.
+        `load_video(url)` loads a video_url part's video; a model that takes no videos refuses them
+        (InputError) before any is loaded."""
         template = chat_template or self.chat_template
+        video = self.video_loader(load_video)
         if template is None and plain_fallback:
-            return render_plain(messages, load_image, self.placeholder)
+            return render_plain(messages, load_image, self.placeholder, load_video=video,
+                                video_placeholder=self.video_placeholder)  # fmt: skip
         return render_chat(self.renderer, template, messages, load_image, add_generation_prompt, self.image_text,
-                           content_format=content_format, placeholder=self.placeholder)  # fmt: skip
+                           content_format=content_format, placeholder=self.placeholder, load_video=video,
+                           video_placeholder=self.video_placeholder)  # fmt: skip
+
+    @property
+    def takes_video(self) -> bool:
+        """Whether chat messages may hold video_url parts for this model (it has a prompt text for
+        videos and is not a text model with an image pipeline)."""
+        return self.video_placeholder is not None and self.image_text is None
+
+    def video_loader(self, load_video: Optional[VideoLoader]) -> VideoLoader:
+        """`load_video`, behind the check that this model takes videos (an InputError naming video
+        when it does not, or when no loader is given)."""
+
+        def load(url: str) -> Any:
+            if not self.takes_video:
+                name = self.model_config.hf_config.model_type
+                raise InputError(f"This model ({name}) does not support video input; send images or text instead.")
+            if load_video is None:
+                raise InputError("Video input (a video_url part) is not supported here.")
+            return load_video(url)
+
+        return load
 
     def render_inline(self, text: str, load_image: ImageLoader) -> dict:
         """The prompt dict for text with inline `<img src=...>` tags (the model's placeholders in

@@ -93,10 +93,21 @@ class LLMEngine:
         self.input_preprocessor = InputPreprocessor(
             model_config, self.tokenizer, self.processor, limits, chat_renderer=self.built.chat_renderer(),
             placeholder=(lambda i: get_placeholder("image", i)) if get_placeholder else None,
+            video_placeholder=self._video_placeholder(get_placeholder),
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
         self._profiling = False
         self._profile_run()
+
+    def _video_placeholder(self, get_placeholder: Any) -> Optional[Any]:
+        """The model's prompt text for video i, if it takes videos: it has a placeholder for them
+        and its processor supports the modality."""
+        if get_placeholder is None or get_placeholder("video", 0) is None:
+            return None
+        info = getattr(self.processor, "info", None)
+        if info is None or "video" not in info.get_supported_mm_limits():
+            return None
+        return lambda i: get_placeholder("video", i)
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "LLMEngine":
@@ -238,12 +249,20 @@ class LLMEngine:
         if self.processor is None:
             return
         info = self.processor.info
-        max_item = max(MultiModalProfiler(self.processor).get_mm_max_tokens_per_item(self.max_model_len).values())
+        max_items = MultiModalProfiler(self.processor).get_mm_max_tokens_per_item(self.max_model_len)
         max_tokens = min(self.max_model_len, self.num_blocks * self.cache_config.block_size) - 2
-        counts = {
-            modality: min(limit, max(1, self.encoder_budget // max_item), max(1, max_tokens // max_item))
-            for modality, limit in info.get_allowed_mm_limits().items()
-        }
+        # The most items that fit the encoder budget and the KV cache together, the largest
+        # modality first (at least one of it, so that an item too large fails here); with several
+        # modalities (images and videos) the others fill what it leaves.
+        left = min(self.encoder_budget, max_tokens)
+        counts = {}
+        limits = info.get_allowed_mm_limits()
+        for modality in sorted((m for m in limits if limits[m] > 0), key=lambda m: -max_items.get(m, 1)):
+            size = max(max_items.get(modality, 1), 1)
+            count = min(limits[modality], left // size) if counts else min(limits[modality], max(1, left // size))
+            if count > 0:
+                counts[modality] = count
+                left -= count * size
         dummy = self.processor.dummy_inputs.get_dummy_processor_inputs(self.max_model_len, counts)
         start = time.perf_counter()
         try:

@@ -1,6 +1,7 @@
-"""The `tessera` command: ask a model about images from the shell, or chat with it.
+"""The `tessera` command: ask a model about images and videos from the shell, or chat with it.
 
 tessera generate "What colour is the circle?" --image photo.png
+tessera generate "What happens?" --video clip.mp4 --media-io-kwargs '{"video": {"num_frames": 8}}'
 tessera chat --model path/to/model
 tessera chat path/to/model.gguf
 """
@@ -17,7 +18,7 @@ from typing import Any, Optional, TextIO
 
 from .. import DEMO_MODEL
 from ..gguf_file import find_gguf_file
-from ..multimodal.media import LOCAL_FILES, MediaPolicy, load_image_url
+from ..multimodal.media import LOCAL_FILES, MediaPolicy, check_media_io_kwargs, load_image_url
 from ..sampling_params import SamplingParams
 
 
@@ -29,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    description="Answer one prompt, streaming the answer to stdout.")  # fmt: skip
     generate.add_argument("prompt", help="the question or instruction")
     generate.add_argument("--image", action="append", default=[], metavar="PATH", help="an image (repeatable)")
+    generate.add_argument("--video", action="append", default=[], metavar="PATH",
+                          help="a video, after the images (repeatable)")  # fmt: skip
     _common_options(generate)
 
     chat = commands.add_parser("chat", help="chat in the terminal",
@@ -57,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also fetch loopback, private and link-local addresses (default: refused)")  # fmt: skip
     serve.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="S",
                        help="total seconds for one image download, redirects included (default 10)")  # fmt: skip
+    _media_io_kwargs_option(serve, "the server's default; a request's media_io_kwargs go over it")
     serve.add_argument("--max-images-per-prompt", type=int, default=None, metavar="N", help="refuse prompts with more")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     serve.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default 1GiB)")
@@ -74,6 +78,20 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
+
+
+def _media_io_kwargs(text: str) -> dict[str, Any]:
+    value = _json_object(text)
+    try:
+        return check_media_io_kwargs(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _media_io_kwargs_option(parser: argparse.ArgumentParser, note: str = "") -> None:
+    parser.add_argument("--media-io-kwargs", type=_media_io_kwargs, default=None, metavar="JSON",
+                        help="how media are loaded, e.g. '{\"video\": {\"num_frames\": 16, \"fps\": 2}}'"
+                        + (f" ({note})" if note else ""))  # fmt: skip
 
 
 def _mm_processor_kwargs_option(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +156,7 @@ def _model_of(args: argparse.Namespace) -> Optional[str]:
 def _common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="MODEL", help=MODEL_HELP)
     _mm_processor_kwargs_option(parser)
+    _media_io_kwargs_option(parser)
     _pipeline_options(parser)
     parser.add_argument("--max-tokens", type=int, default=128, help="longest answer in tokens (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default), higher for variety")
@@ -149,12 +168,13 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
         return _serve(args)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        if args.command == "generate":  # refuse a missing file before loading the model
+            messages = [_user_message(args.prompt, args.image, args.video)]
         llm = _load(_model_of(args), stdout, {**_pipeline_kwargs(args), **_mm_kwargs(args)})
         if args.command == "generate":
-            messages = [_user_message(args.prompt, args.image)]
-            _stream_answer(llm, messages, params, stdout)
+            _stream_answer(llm, messages, params, stdout, args.media_io_kwargs)
         else:
-            _chat(llm, params, stdin, stdout)
+            _chat(llm, params, stdin, stdout, args.media_io_kwargs)
     except (ValueError, OSError) as e:  # the user's input: one clear line, no traceback
         print(f"tessera: error: {e}", file=sys.stderr)
         return 1
@@ -192,6 +212,7 @@ def _serve(args: argparse.Namespace) -> int:
                      api_key=args.api_key, media_policy=policy, max_images_per_prompt=args.max_images_per_prompt,
                      chat_template_content_format=args.chat_template_content_format,
                      max_request_bytes=args.max_request_bytes, kv_cache_memory=args.kv_cache_memory,
+                     media_io_kwargs=args.media_io_kwargs,
                      **_pipeline_kwargs(args), **_mm_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)
@@ -211,19 +232,24 @@ def _load(model: Optional[str], out: TextIO, options: Optional[dict] = None) -> 
     return llm
 
 
-def _user_message(text: str, images: Sequence[str]) -> dict:
-    for path in images:
-        if not Path(path).is_file():
-            raise ValueError(f"Image file {path} does not exist.")
+def _user_message(text: str, images: Sequence[str], videos: Sequence[str] = ()) -> dict:
+    for kind, paths in (("Image", images), ("Video", videos)):
+        for path in paths:
+            if not Path(path).is_file():
+                raise ValueError(f"{kind} file {path} does not exist.")
     parts: list[dict] = [{"type": "image_url", "image_url": {"url": str(Path(p).resolve())}} for p in images]
+    parts += [{"type": "video_url", "video_url": {"url": str(Path(p).resolve())}} for p in videos]
     parts.append({"type": "text", "text": text})
     return {"role": "user", "content": parts}
 
 
-def stream_chat(llm: Any, messages: list[dict], params: SamplingParams) -> Iterator[str]:
+def stream_chat(
+    llm: Any, messages: list[dict], params: SamplingParams, media_io_kwargs: Optional[dict] = None
+) -> Iterator[str]:
     """Yield the reply to `messages` piece by piece as the engine produces it."""
     printed = 0
-    for output in llm.stream(llm.render_chat(messages, plain_fallback=True), params):
+    prompt = llm.render_chat(messages, plain_fallback=True, media_io_kwargs=media_io_kwargs)
+    for output in llm.stream(prompt, params):
         if output.error is not None:
             raise RuntimeError(output.error)
         text = output.outputs[0].text
@@ -232,9 +258,11 @@ def stream_chat(llm: Any, messages: list[dict], params: SamplingParams) -> Itera
             printed = len(text)
 
 
-def _stream_answer(llm: Any, messages: list[dict], params: SamplingParams, out: TextIO) -> str:
+def _stream_answer(
+    llm: Any, messages: list[dict], params: SamplingParams, out: TextIO, media_io_kwargs: Optional[dict] = None
+) -> str:
     answer = ""
-    for piece in stream_chat(llm, messages, params):
+    for piece in stream_chat(llm, messages, params, media_io_kwargs):
         if not answer:  # the reply usually starts with the space after "ASSISTANT:"; don't print it
             piece = piece.lstrip()
         answer += piece
@@ -244,7 +272,7 @@ def _stream_answer(llm: Any, messages: list[dict], params: SamplingParams, out: 
     return answer
 
 
-def _chat(llm: Any, params: SamplingParams, stdin: TextIO, out: TextIO) -> None:
+def _chat(llm: Any, params: SamplingParams, stdin: TextIO, out: TextIO, media_io_kwargs: Optional[dict] = None) -> None:
     history: list[dict] = []
     images: list[str] = []
     out.write("Chat with the model. /image PATH attaches an image, /reset clears the history, /exit quits.\n")
@@ -274,7 +302,7 @@ def _chat(llm: Any, params: SamplingParams, stdin: TextIO, out: TextIO) -> None:
         turn = len(history)
         try:
             history.append(_user_message(line, images))
-            answer = _stream_answer(llm, history, params, out)
+            answer = _stream_answer(llm, history, params, out, media_io_kwargs)
         except Exception as e:  # e.g. too many images: report it in one line, drop the turn, keep chatting
             del history[turn:]
             out.write(f"(error: {e})\n")

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from ..engine.chat_utils import ContentFormat, Message
 from ..engine.llm_engine import LLMEngine
 from ..engine.prompt import PromptType
-from ..multimodal.media import LOCAL_FILES, load_image_url
+from ..multimodal.media import LOCAL_FILES, check_media_io_kwargs, load_image_url, load_video_url
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 
@@ -40,7 +40,8 @@ class LLM:
         """Generate for every prompt (batched by the engine); outputs in prompt order.
 
         A prompt is a string, token ids, or {"prompt": str | "prompt_token_ids": [...],
-        "multi_modal_data": {"image": image or [images]}}, optionally with "mm_processor_kwargs"
+        "multi_modal_data": {"image": image or [images], "video": video or [videos]}} (a video: a
+        decoded VideoFrames, a uint8 [T, H, W, 3] array or a list of frames), optionally with "mm_processor_kwargs"
         (HF processor kwargs for this prompt, over `LLM(..., mm_processor_kwargs=...)`) and
         "multi_modal_uuids" ({"image": [id or None per image]}: a named item is cached under
         its id instead of a hash of its content; one id must always mean the same content)."""
@@ -104,15 +105,23 @@ class LLM:
         chat_template: Optional[str] = None,
         mm_processor_kwargs: Optional[Mapping[str, Any]] = None,
         chat_template_content_format: ContentFormat = "auto",
+        media_io_kwargs: Optional[Mapping[str, Mapping[str, Any]]] = None,
     ) -> list[RequestOutput]:
         """Generate replies to OpenAI-style conversations: content is a string or a list of
-        {"type": "text", "text": ...} and {"type": "image_url", "image_url": {"url": ...}} parts
-        (data URLs or local paths; an image part may carry a "uuid" naming the image), rendered
-        through the model's chat template. `mm_processor_kwargs` apply to every conversation, over
-        the LLM's own."""
+        {"type": "text", "text": ...}, {"type": "image_url", "image_url": {"url": ...}} and
+        {"type": "video_url", "video_url": {"url": ...}} parts (data URLs or local paths; an image
+        or video part may carry a "uuid" naming it), rendered through the model's chat template.
+        `mm_processor_kwargs` apply to every conversation, over the LLM's own; `media_io_kwargs`
+        (vLLM's) to loading: {"video": {"num_frames": N, "fps": F}} samples videos so."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         prompts = [
-            self.render_chat(c, add_generation_prompt, chat_template, content_format=chat_template_content_format)
+            self.render_chat(
+                c,
+                add_generation_prompt,
+                chat_template,
+                content_format=chat_template_content_format,
+                media_io_kwargs=media_io_kwargs,
+            )  # fmt: skip
             for c in conversations
         ]
         if mm_processor_kwargs is not None:
@@ -132,12 +141,16 @@ class LLM:
         *,
         plain_fallback: bool = False,
         content_format: ContentFormat = "auto",
+        media_io_kwargs: Optional[Mapping[str, Mapping[str, Any]]] = None,
     ) -> dict:
         """The engine prompt for an OpenAI-style conversation: text through the chat template,
-        images loaded in order (data URLs, file:// URLs, local paths or image_pil parts). With
-        `plain_fallback`, a model without a template gets the last message as it is."""
+        images and videos loaded in order (data URLs, file:// URLs, local paths or image_pil
+        parts; videos sampled as `media_io_kwargs["video"]` says). With `plain_fallback`, a model
+        without a template gets the last message as it is."""
+        io_kwargs = check_media_io_kwargs(dict(media_io_kwargs) if media_io_kwargs is not None else None)
         load = functools.partial(load_image_url, policy=LOCAL_FILES)
+        load_video = functools.partial(load_video_url, policy=LOCAL_FILES, **io_kwargs.get("video", {}))
         return self.engine.input_preprocessor.render_chat(
             messages, load, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-            content_format=content_format, plain_fallback=plain_fallback,
+            content_format=content_format, plain_fallback=plain_fallback, load_video=load_video,
         )  # fmt: skip

@@ -34,11 +34,13 @@ __all__ = [
     "MediaPolicy",
     "VideoFrames",
     "check_image",
+    "check_media_io_kwargs",
     "decode_image",
     "decode_video",
     "is_http_url",
     "load_image_url",
     "load_video_url",
+    "merge_media_io_kwargs",
     "read_media_bytes",
 ]
 
@@ -205,3 +207,41 @@ def load_video_url(
     if overrides:
         policy = dataclasses.replace(policy, **{LEGACY_NAMES.get(k, k): v for k, v in overrides.items()})
     return decode_video(read_media_bytes(url, policy, "video"), policy, num_frames=num_frames, fps=fps)
+
+
+MEDIA_IO_OPTIONS = {"image": frozenset(), "video": frozenset({"num_frames", "fps"})}
+
+
+def check_media_io_kwargs(kwargs: Any) -> dict[str, dict[str, Any]]:
+    """vLLM's `media_io_kwargs` checked: {"video": {"num_frames": N, "fps": F}} (the options of
+    load_video_url; "image" takes none yet). Unknown modalities or options are an InputError;
+    the values are checked when a video is decoded (video.check_sampling)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        example = "{'video': {'num_frames': 16}}"
+        raise InputError(f"media_io_kwargs must be an object like {example}, not {kwargs!r:.60}.")
+    checked = {}
+    for modality, options in kwargs.items():
+        if modality not in MEDIA_IO_OPTIONS:
+            raise InputError(f"media_io_kwargs: unknown modality {modality!r:.40}; use 'image' or 'video'.")
+        if options is None:
+            continue
+        if not isinstance(options, dict):
+            raise InputError(f"media_io_kwargs[{modality!r}] must be an object, not {options!r:.60}.")
+        unknown = sorted(str(k)[:40] for k in options if k not in MEDIA_IO_OPTIONS[modality])
+        if unknown:
+            allowed = ", ".join(sorted(MEDIA_IO_OPTIONS[modality])) or "none"
+            raise InputError(f"media_io_kwargs[{modality!r}]: unsupported option(s) {unknown}; supported: {allowed}.")
+        checked[modality] = dict(options)
+    return checked
+
+
+def merge_media_io_kwargs(*layers: Any) -> dict[str, dict[str, Any]]:
+    """Media IO kwargs checked and merged per modality, later layers over earlier ones (e.g. a
+    request's over the server's)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        for modality, options in check_media_io_kwargs(layer).items():
+            merged[modality] = {**merged.get(modality, {}), **options}
+    return merged

@@ -51,10 +51,13 @@ def build_app(
     allowed_media_dir: Optional[str] = None,
     image_fetch_timeout: Optional[float] = None,
     image_fetch_max_bytes: Optional[int] = None,
+    media_io_kwargs: Optional[dict[str, Any]] = None,
 ) -> FastAPI:
     """The app for a running AsyncEngine; `api_key` guards /v1/* and /tokenize. The default media
     policy fetches public http(s) URLs and reads no local files; `allowed_media_dir`,
-    `image_fetch_timeout` and `image_fetch_max_bytes` (the options before MediaPolicy) adjust it."""
+    `image_fetch_timeout` and `image_fetch_max_bytes` (the options before MediaPolicy) adjust it.
+    `media_io_kwargs` ({"video": {"num_frames": N, "fps": F}}): how videos are sampled unless a
+    request's own say otherwise."""
     media_policy = media_policy or MediaPolicy(fetch_urls=True)
     legacy = {
         "allowed_local_dir": allowed_media_dir,
@@ -69,7 +72,8 @@ def build_app(
         raise ValueError(
             f"chat_template_content_format must be auto, string or openai, got {chat_template_content_format!r}"
         )
-    serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format)
+    serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format,
+                            media_io_kwargs)  # fmt: skip
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     model_path = str(engine.engine.model_config.model)
 

@@ -1,4 +1,4 @@
-"""Images for the server, loaded without blocking its event loop or the engine.
+"""Images and videos for the server, loaded without blocking its event loop or the engine.
 
 Downloads wait on the network, so they get a pool of their own with a fixed number of slots: a
 request that finds every slot taken is told to retry (503) instead of queueing behind slow
@@ -10,13 +10,14 @@ touch the download pool, so slow URLs cannot stall them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Optional
 
 from ...errors import ServerBusyError
-from ...multimodal.media import MediaPolicy, decode_image, is_http_url, read_media_bytes
+from ...multimodal.media import MediaPolicy, decode_image, decode_video, is_http_url, read_media_bytes
 
 
 class AsyncMediaLoader:
@@ -26,26 +27,33 @@ class AsyncMediaLoader:
         self._fetch_slots = threading.BoundedSemaphore(max_concurrent_fetches)
         self._decode_pool = ThreadPoolExecutor(decode_workers, thread_name_prefix="tessera-decode")
 
-    async def load(self, url: str) -> Any:
-        """The image at `url` (data URL, allowed local file, or http(s) under the policy)."""
+    async def load(self, url: str, kind: str = "image", video_options: Optional[dict[str, Any]] = None) -> Any:
+        """The image (kind="video": the video's sampled frames, a VideoFrames, sampled as
+        `video_options` say: num_frames, fps) at `url` (data URL, allowed local file, or http(s)
+        under the policy)."""
         loop = asyncio.get_running_loop()
         if is_http_url(url):
             if not self._fetch_slots.acquire(blocking=False):
-                raise ServerBusyError("Too many image downloads are in progress; retry shortly or send a data URL.")
-            data = await loop.run_in_executor(self._fetch_pool, self._fetch, url)
+                raise ServerBusyError(f"Too many {kind} downloads are in progress; retry shortly or send a data URL.")
+            data = await loop.run_in_executor(self._fetch_pool, self._fetch, url, kind)
         else:  # base64 decoding or a local file read: short
-            data = await loop.run_in_executor(self._decode_pool, read_media_bytes, url, self.policy)
+            data = await loop.run_in_executor(self._decode_pool, read_media_bytes, url, self.policy, kind)
+        if kind == "video":
+            decode = functools.partial(decode_video, data, self.policy, **(video_options or {}))
+            return await loop.run_in_executor(self._decode_pool, decode)
         return await loop.run_in_executor(self._decode_pool, decode_image, data, self.policy)
 
-    def _fetch(self, url: str) -> bytes:
+    def _fetch(self, url: str, kind: str = "image") -> bytes:
         try:
-            return read_media_bytes(url, self.policy)
+            return read_media_bytes(url, self.policy, kind)
         finally:  # freed when the download ends, even if its requester went away meanwhile
             self._fetch_slots.release()
 
-    async def load_all(self, urls: Sequence[str]) -> list[Any]:
-        """All images, loaded concurrently; the first failure is raised once all have settled."""
-        results = await asyncio.gather(*(self.load(url) for url in urls), return_exceptions=True)
+    async def load_all(
+        self, urls: Sequence[str], kind: str = "image", video_options: Optional[dict[str, Any]] = None
+    ) -> list[Any]:
+        """All images (or videos), loaded concurrently; the first failure is raised once all have settled."""
+        results = await asyncio.gather(*(self.load(url, kind, video_options) for url in urls), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from ...multimodal.media import check_media_io_kwargs
 from ...sampling_params import SamplingParams
 
 # OpenAI (and vLLM) parameters Tessera does not implement, with the values that mean "off".
@@ -60,6 +61,14 @@ def _check_processor_kwargs(kwargs: Optional[dict[str, Any]]) -> Optional[dict[s
 
 
 RequestProcessorKwargs = Annotated[Optional[dict[str, Any]], AfterValidator(_check_processor_kwargs)]
+
+
+def _check_media_io_kwargs(kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    check_media_io_kwargs(kwargs)  # the values are checked against the media policy when a video is decoded
+    return kwargs
+
+
+RequestMediaIOKwargs = Annotated[Optional[dict[str, Any]], AfterValidator(_check_media_io_kwargs)]
 
 
 class StreamOptions(BaseModel):
@@ -117,6 +126,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    media_io_kwargs: RequestMediaIOKwargs = None  # vLLM's: {"video": {"num_frames": N, "fps": F}}, over the server's
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens  # None: up to the context length
@@ -142,6 +152,7 @@ class TokenizeRequest(BaseModel):
     messages: Optional[list[dict[str, Any]]] = None
     add_generation_prompt: bool = True
     mm_processor_kwargs: RequestProcessorKwargs = None
+    media_io_kwargs: RequestMediaIOKwargs = None
 
     @model_validator(mode="after")
     def _one_of(self) -> "TokenizeRequest":

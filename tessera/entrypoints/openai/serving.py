@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
-from ...engine.chat_utils import ContentFormat, parse_chat_messages_with_uuids
+from ...engine.chat_utils import ContentFormat, parse_chat_media
 from ...engine.prompt import check_text_length
 from ...errors import InputError
+from ...multimodal.media import merge_media_io_kwargs
 from ...outputs import CompletionOutput, RequestOutput
 from .media_loader import AsyncMediaLoader
 from .metrics import ServerMetrics
@@ -33,8 +34,10 @@ class OpenAIServing:
         media: AsyncMediaLoader,
         max_images_per_prompt: Optional[int],
         content_format: ContentFormat = "auto",
+        media_io_kwargs: Optional[dict[str, Any]] = None,
     ) -> None:
         self.engine = engine
+        self.media_io_kwargs = merge_media_io_kwargs(media_io_kwargs)  # the server's; a request's go over them
         self.metrics = metrics
         self.model_name = model_name
         self.media = media
@@ -49,21 +52,36 @@ class OpenAIServing:
         if self.max_images is not None and count > self.max_images:
             raise InputError(f"This prompt has {count} images; the server takes at most {self.max_images} per prompt.")
 
-    async def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> dict:
-        # Parse first with the URLs standing in for images: a malformed message or too many
-        # images is refused before anything is fetched or decoded.
-        hf_messages, urls, _ = parse_chat_messages_with_uuids(messages, lambda url: url, self.preprocessor.image_text)
+    async def chat_prompt(
+        self, messages: list[dict], add_generation_prompt: bool, media_io_kwargs: Optional[dict[str, Any]] = None
+    ) -> dict:
+        # Parse first with the URLs standing in for images and videos: a malformed message, a
+        # video for a model without video or too many images is refused before anything is
+        # fetched or decoded.
+        video_check = self.preprocessor.video_loader(lambda url: url)
+        hf_messages, media, _ = parse_chat_media(
+            messages, lambda url: url, self.preprocessor.image_text, load_video=video_check
+        )
+        urls, video_urls = media["image"], media["video"]
         if any(not isinstance(url, str) for url in urls):
             raise InputError("Unsupported content part type 'image_pil'; send images as image_url parts.")
         self._check_image_count(len(urls))
+        video_options = merge_media_io_kwargs(self.media_io_kwargs, media_io_kwargs).get("video", {})
         chars = sum(len(p["text"]) for m in hf_messages for p in _parts(m["content"]) if p["type"] == "text")
         check_text_length(chars, self.preprocessor.max_prompt_chars)  # before rendering megabytes
-        loaded = iter(await self.media.load_all(urls))
+        results = await asyncio.gather(
+            self.media.load_all(urls), self.media.load_all(video_urls, "video", video_options), return_exceptions=True
+        )  # both settled: no load left running behind a failure
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        images, videos = results
+        loaded, loaded_videos = iter(images), iter(videos)
         render = functools.partial(
             self.preprocessor.render_chat, add_generation_prompt=add_generation_prompt,
-            content_format=self.content_format,
+            content_format=self.content_format, load_video=lambda url: next(loaded_videos),
         )  # fmt: skip
-        return await asyncio.to_thread(render, messages, lambda url: next(loaded))  # the images, in order
+        return await asyncio.to_thread(render, messages, lambda url: next(loaded))  # the media, in order
 
     async def completion_prompt(self, prompt: str | list[int]) -> Any:
         if not isinstance(prompt, str):
@@ -78,7 +96,7 @@ class OpenAIServing:
     # ---- endpoints -------------------------------------------------------------------------------
 
     async def chat(self, request: ChatCompletionRequest) -> Any:
-        prompt = await self.chat_prompt(request.messages, request.add_generation_prompt)
+        prompt = await self.chat_prompt(request.messages, request.add_generation_prompt, request.media_io_kwargs)
         prompt = _with_options(prompt, mm_processor_kwargs=request.mm_processor_kwargs)
         return await self._generate(request, prompt, "chatcmpl", chat=True)
 
@@ -91,7 +109,7 @@ class OpenAIServing:
 
     async def tokenize(self, request: TokenizeRequest) -> dict:
         if request.messages is not None:
-            prompt = await self.chat_prompt(request.messages, request.add_generation_prompt)
+            prompt = await self.chat_prompt(request.messages, request.add_generation_prompt, request.media_io_kwargs)
         else:
             prompt = await self.completion_prompt(request.prompt or "")
         prompt = _with_options(prompt, mm_processor_kwargs=request.mm_processor_kwargs)
