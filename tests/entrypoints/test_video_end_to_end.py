@@ -5,7 +5,9 @@ same decoded frames and the same chat template."""
 from __future__ import annotations
 
 import base64
+import io
 
+import httpx
 import pytest
 import torch
 from transformers import AutoProcessor
@@ -19,7 +21,7 @@ from tessera.entrypoints.openai.api_server import build_app
 from tessera.entrypoints.openai.http_server import ServerThread
 from tessera.multimodal.media import MediaPolicy
 from tessera.multimodal.video import decode_video
-from tessera.testing import video_bytes
+from tessera.testing import random_images, video_bytes
 from tessera.testing.qwen_vl import build_tiny_qwen2_vl
 
 QUESTION, MAX_TOKENS = "What happens in the video?", 8
@@ -27,6 +29,13 @@ CLIP = video_bytes(num_frames=4, width=32, height=32, fps=4)
 URL = "data:video/mp4;base64," + base64.b64encode(CLIP).decode()
 MESSAGES = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": URL}},
                                          {"type": "text", "text": QUESTION}]}]  # fmt: skip
+(IMAGE,) = random_images([(40, 30)])
+_png = io.BytesIO()
+IMAGE.save(_png, format="PNG")
+IMAGE_URL = "data:image/png;base64," + base64.b64encode(_png.getvalue()).decode()
+MIXED = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE_URL}},
+                                      {"type": "video_url", "video_url": {"url": URL}},
+                                      {"type": "text", "text": QUESTION}]}]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +65,9 @@ def test_llm_chat_answers_about_the_clip_as_hf(qwen2_vl_dir, hf_answer):
     assert output.outputs[0].text == hf_answer
 
 
-def test_the_server_answers_the_official_client_as_hf(qwen2_vl_dir, hf_answer):
+def test_the_server_answers_the_official_client_as_hf_and_tokenize_counts_image_and_video_tokens(
+    qwen2_vl_dir, hf_answer
+):
     from openai import OpenAI
 
     engine = AsyncEngine(LLMEngine.from_options(str(qwen2_vl_dir), kv_cache_memory="16MiB"))
@@ -68,14 +79,27 @@ def test_the_server_answers_the_official_client_as_hf(qwen2_vl_dir, hf_answer):
                 model="qwen", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0,
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
+            counted = httpx.post(url + "/tokenize", json={"messages": MIXED}, timeout=60).json()
     finally:
         engine.shutdown()
     assert reply.choices[0].message.content == hf_answer
+    # /tokenize counts image and video tokens as the HF processor expands them
+    processor = AutoProcessor.from_pretrained(qwen2_vl_dir)
+    hf_messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": QUESTION}]}
+    ]
+    text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    hf_ids = processor(text=text, images=[IMAGE], videos=[decode_video(CLIP).frames], do_sample_frames=False,
+                       return_tensors="pt")["input_ids"][0].tolist()  # fmt: skip
+    assert counted["count"] == len(hf_ids) and counted["tokens"] == hf_ids
+    pads = {m: hf_ids.count(processor.tokenizer.convert_tokens_to_ids(f"<|{m}_pad|>")) for m in ("image", "video")}
+    assert {m: [p["length"] for p in ranges] for m, ranges in counted["mm_placeholders"].items()} == {
+        "image": [pads["image"]],
+        "video": [pads["video"]],
+    }
 
 
 def test_the_cli_answers_about_a_video_file_as_hf(qwen2_vl_dir, hf_answer, tmp_path):
-    import io
-
     clip = tmp_path / "shapes.mp4"
     clip.write_bytes(CLIP)
     out = io.StringIO()
