@@ -209,13 +209,15 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
             return "<|vision_start|><|video_pad|><|vision_end|>"
         return None
 
+    vision_tower_cls: type[nn.Module] = Qwen2VisionTransformer
+
     def __init__(self, config: Qwen2VLConfig) -> None:
         super().__init__()
         self.config = config
         text_config = config.text_config
         if not hasattr(text_config, "tie_word_embeddings"):  # transformers 5 keeps it on the outer config
             text_config.tie_word_embeddings = config.tie_word_embeddings
-        self.visual = Qwen2VisionTransformer(config.vision_config)
+        self.visual = self.vision_tower_cls(config.vision_config)
         self.language_model = ModelRegistry.resolve_text_model_cls(text_config)(text_config)
         self.placeholder_token_id = [config.image_token_id, config.video_token_id]
         self.spatial_merge_size = config.vision_config.spatial_merge_size
@@ -261,8 +263,12 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
                 offset += int(torch.as_tensor(position.is_embed).nonzero()[0, 0])
             grid = feature.data[f"{feature.modality}_grid_thw"].data
             grid_thw = tuple(int(x) for x in torch.as_tensor(grid).reshape(3))
-            grids.append(VisionGrid(offset, grid_thw))
+            grids.append(VisionGrid(offset, grid_thw, self._time_interval(feature)))
         return mrope_input_positions(len(input_tokens), grids, self.spatial_merge_size)
+
+    def _time_interval(self, feature: Any) -> float:
+        """Temporal M-RoPE step per grid frame of an image or video: 1 for Qwen2-VL."""
+        return 1.0
 
     def forward(
         self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None

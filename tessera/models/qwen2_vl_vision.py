@@ -8,6 +8,8 @@ its merge-block-major order, with their grid_thw [n, 3]; output: [N / merge**2, 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,11 +24,11 @@ class Qwen2VisionPatchEmbed(nn.Module):
     """HF's Conv3d with kernel = stride = (temporal_patch_size, patch, patch): on patches that the
     processor already cut and flattened in (C, T, P, P) order it is one matrix product."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, embed_dim: Optional[int] = None) -> None:
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.embed_dim = config.embed_dim
-        self.proj = nn.Conv3d(config.in_channels, config.embed_dim, kernel, stride=kernel, bias=False)
+        self.embed_dim = embed_dim or config.embed_dim
+        self.proj = nn.Conv3d(config.in_channels, self.embed_dim, kernel, stride=kernel, bias=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight.reshape(self.embed_dim, -1)
@@ -34,12 +36,13 @@ class Qwen2VisionPatchEmbed(nn.Module):
 
 
 class Qwen2VisionAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, embed_dim: Optional[int] = None) -> None:
         super().__init__()
+        dim = embed_dim or config.embed_dim  # Qwen2.5-VL's tower: its hidden_size
         self.num_heads = config.num_heads
-        self.head_dim = config.embed_dim // config.num_heads
-        self.qkv = Linear(config.embed_dim, 3 * config.embed_dim, bias=True)
-        self.proj = Linear(config.embed_dim, config.embed_dim, bias=True)
+        self.head_dim = dim // config.num_heads
+        self.qkv = Linear(dim, 3 * dim, bias=True)
+        self.proj = Linear(dim, dim, bias=True)
 
     def forward(self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [N, dim]; every item attends to its own `lengths[i]` patches only (block-diagonal)."""

@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 _BUILTIN_MODELS = {
     "LlavaForConditionalGeneration": "tessera.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "tessera.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     "FuyuForCausalLM": "tessera.models.fuyu:FuyuForCausalLM",
     "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
     "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",
@@ -30,6 +31,7 @@ _BUILTIN_TEXT_MODELS = {
     "persimmon": "tessera.models.persimmon:PersimmonForCausalLM",
     "qwen2": "tessera.models.qwen2:Qwen2ForCausalLM",
     "qwen2_vl_text": "tessera.models.qwen2:Qwen2ForCausalLM",  # Qwen2-VL's decoder: Qwen2's, M-RoPE positions
+    "qwen2_5_vl_text": "tessera.models.qwen2:Qwen2ForCausalLM",  # so is Qwen2.5-VL's
     "mistral": "tessera.models.mistral:MistralForCausalLM",
     "qwen3": "tessera.models.qwen3:Qwen3ForCausalLM",
     "gemma3_text": "tessera.models.gemma3:Gemma3ForCausalLM",

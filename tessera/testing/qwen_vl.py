@@ -1,4 +1,4 @@
-"""A tiny, randomly initialised Qwen2-VL checkpoint in Hugging Face folder format, built offline.
+"""Tiny, randomly initialised Qwen2-VL and Qwen2.5-VL checkpoints in Hugging Face folder format, built offline.
 
 Text: Qwen2-VL's Qwen2 decoder, hidden 32, 2 layers, 4 heads over 2 KV heads (head_dim 8, M-RoPE
 sections [1, 1, 2] over its 4 frequencies). Vision: depth 2, embed_dim 32, 2 heads, 8-pixel patches,
@@ -15,6 +15,9 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,
@@ -64,10 +67,8 @@ def build_qwen_vl_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_qwen2_vl(folder, *, seed: int = 0) -> Path:
-    """Write the checkpoint (config, safetensors, tokenizer, processor) to `folder`; returns it."""
-    folder = Path(folder)
-    tokenizer = build_qwen_vl_tokenizer()
+def _text_config(tokenizer: PreTrainedTokenizerFast) -> tuple[dict, dict[str, int]]:
+    """Qwen2 decoder, hidden 32, 2 layers, 4 heads over 2 KV heads, M-RoPE sections [1, 1, 2]; the special token ids."""
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     text = dict(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -75,18 +76,14 @@ def build_tiny_qwen2_vl(folder, *, seed: int = 0) -> Path:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
     )  # fmt: skip
-    vision = dict(
-        depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=PATCH_SIZE,
-        spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, hidden_act="quick_gelu",
-    )  # fmt: skip
-    config = Qwen2VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
-    )  # fmt: skip
+    return text, ids
+
+
+def _save(folder: Path, model_cls, config, processor_cls, tokenizer, seed: int) -> Path:
+    """Widened random weights (HF's init leaves small ones), then the processor with the tiny resize bounds."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
+        model = model_cls(config)
         with torch.no_grad():  # HF's init leaves small weights; widen them so outputs depend on the inputs
             for name, param in model.named_parameters():
                 if param.ndim >= 2 and "norm" not in name:
@@ -96,7 +93,7 @@ def build_tiny_qwen2_vl(folder, *, seed: int = 0) -> Path:
         patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
         min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
     )  # fmt: skip
-    processor = Qwen2VLProcessor(
+    processor = processor_cls(
         image_processor=Qwen2VLImageProcessor(**processing),
         tokenizer=tokenizer,
         video_processor=Qwen2VLVideoProcessor(**processing),
@@ -104,3 +101,39 @@ def build_tiny_qwen2_vl(folder, *, seed: int = 0) -> Path:
     )
     processor.save_pretrained(folder)
     return folder
+
+
+def build_tiny_qwen2_vl(folder, *, seed: int = 0) -> Path:
+    """Write the checkpoint (config, safetensors, tokenizer, processor) to `folder`; returns it."""
+    tokenizer = build_qwen_vl_tokenizer()
+    text, ids = _text_config(tokenizer)
+    vision = dict(
+        depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=PATCH_SIZE,
+        spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, hidden_act="quick_gelu",
+    )  # fmt: skip
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+    )  # fmt: skip
+    return _save(Path(folder), Qwen2VLForConditionalGeneration, config, Qwen2VLProcessor, tokenizer, seed)
+
+
+def build_tiny_qwen2_5_vl(folder, *, seed: int = 0) -> Path:
+    """Qwen2.5-VL: the same decoder, tokenizer and processing; vision depth 4 (blocks 1 and 3 attend over
+    whole frames, 0 and 2 within 32-pixel windows, i.e. 2x2 merged tokens), width 32, 2 heads, SwiGLU 64;
+    25 tokens per second (videos without metadata are taken at 24 fps: 2.08 positions per grid frame).
+    Write the checkpoint to `folder`; returns it."""
+    tokenizer = build_qwen_vl_tokenizer()
+    text, ids = _text_config(tokenizer)
+    vision = dict(
+        depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+        patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        hidden_act="silu", window_size=32, fullatt_block_indexes=[1, 3], tokens_per_second=25,
+    )  # fmt: skip
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+    )  # fmt: skip
+    return _save(Path(folder), Qwen2_5_VLForConditionalGeneration, config, Qwen2_5_VLProcessor, tokenizer, seed)
