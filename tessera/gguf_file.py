@@ -54,6 +54,8 @@ from typing import Any, Optional, Union
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from .tokenizer_utils import special_tokens_added
+
 logger = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
@@ -290,18 +292,3 @@ def fix_gguf_tokenizer(tokenizer: Any, metadata: GGUFMetadata) -> list[str]:
         tokenizer.chat_template = metadata.chat_template
         changes.append("chat_template set")
     return changes
-
-
-def special_tokens_added(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """The token ids the tokenizer puts in front of and after the text it encodes."""
-    with_special = tokenizer.encode("a")
-    plain = tokenizer.encode("a", add_special_tokens=False)
-    start = next((i for i in range(len(with_special)) if with_special[i : i + len(plain)] == plain), 0)
-    return with_special[:start], with_special[start + len(plain) :]
-
-
-def adds_special_token(tokenizer: Any, at_start: bool = True) -> bool:
-    """Whether encoding text adds the tokenizer's BOS in front (`at_start`), or its EOS at the end."""
-    token_id = tokenizer.bos_token_id if at_start else tokenizer.eos_token_id
-    prefix, suffix = special_tokens_added(tokenizer)
-    return token_id is not None and (prefix if at_start else suffix) == [token_id]

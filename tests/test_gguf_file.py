@@ -10,7 +10,6 @@ from transformers import AutoConfig, AutoTokenizer
 from tessera.config import ModelConfig
 from tessera.engine.chat_utils import without_template_bos
 from tessera.gguf_file import (
-    adds_special_token,
     find_gguf_file,
     fix_gguf_config,
     fix_gguf_tokenizer,
@@ -21,6 +20,7 @@ from tessera.gguf_file import (
 from tessera.multimodal.context import load_tokenizer
 from tessera.testing import build_tiny_gguf
 from tessera.testing.tokenizer import CHATML_TEMPLATE
+from tessera.tokenizer_utils import adds_special_token
 
 pytest.importorskip("gguf", reason="the gguf package writes and reads the test files (pip install gguf)")
 

@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional
 import jinja2
 
 from ..errors import InputError
+from ..tokenizer_utils import adds_special_token
 
 Message = Mapping[str, Any]
 ImageLoader = Callable[[str], Any]
@@ -21,19 +22,15 @@ VideoLoader = Callable[[str], Any]
 Placeholder = Callable[[int], Optional[str]]
 
 
-def image_url_of(part: Mapping[str, Any]) -> str:
-    value = part.get("image_url")
+def media_url_of(part: Mapping[str, Any], kind: str) -> str:
+    """The URL of an `image_url` or `video_url` content part (`kind` "image" or "video")."""
+    value = part.get(f"{kind}_url")
     url = value.get("url") if isinstance(value, Mapping) else value
     if not isinstance(url, str) or not url:
-        raise InputError("An image_url content part needs {'image_url': {'url': 'data:image/...;base64,...'}}.")
-    return url
-
-
-def video_url_of(part: Mapping[str, Any]) -> str:
-    value = part.get("video_url")
-    url = value.get("url") if isinstance(value, Mapping) else value
-    if not isinstance(url, str) or not url:
-        raise InputError("A video_url content part needs {'video_url': {'url': 'data:video/mp4;base64,...'}}.")
+        article = "An" if kind == "image" else "A"
+        raise InputError(
+            f"{article} {kind}_url content part needs {{'{kind}_url': {{'url': 'data:{kind}/...;base64,...'}}}}."
+        )
     return url
 
 
@@ -112,7 +109,7 @@ def parse_chat_media(
                 if not isinstance(uuid, (str, type(None))):
                     raise InputError(f"{where}.uuid must be a string (the image's id), got {_kind(uuid)}.")
                 if kind == "image_url":
-                    images.append(load_image(image_url_of(part)))
+                    images.append(load_image(media_url_of(part, "image")))
                 elif part.get("image_pil") is not None:  # an in-memory image (vLLM's part for the offline API)
                     images.append(part["image_pil"])
                 else:
@@ -123,7 +120,7 @@ def parse_chat_media(
                 uuid = part.get("uuid")
                 if not isinstance(uuid, (str, type(None))):
                     raise InputError(f"{where}.uuid must be a string (the video's id), got {_kind(uuid)}.")
-                url = video_url_of(part)
+                url = media_url_of(part, "video")
                 if image_text is not None:
                     raise InputError("Video input is not supported with a multimodal pipeline; send images or text.")
                 media["video"].append(load_video(url))
@@ -240,18 +237,9 @@ def without_template_bos(renderer: Any, prompt: str) -> str:
     ``apply_chat_template(tokenize=True)`` tokenizes them (adding no special tokens)."""
     tokenizer = getattr(renderer, "tokenizer", None) or renderer
     bos = getattr(tokenizer, "bos_token", None)
-    if not bos or not prompt.startswith(bos) or not _adds_bos(tokenizer):
+    if not bos or not prompt.startswith(bos) or not adds_special_token(tokenizer):
         return prompt
     return prompt[len(bos) :]
-
-
-def _adds_bos(tokenizer: Any) -> bool:
-    """Whether the tokenizer puts its BOS in front of the text it encodes."""
-    bos_id = getattr(tokenizer, "bos_token_id", None)
-    if bos_id is None:
-        return False
-    with_special, plain = tokenizer.encode("a"), tokenizer.encode("a", add_special_tokens=False)
-    return len(with_special) > len(plain) and with_special[0] == bos_id
 
 
 def render_chat(
@@ -296,9 +284,9 @@ def render_plain(
     for part in parts:
         if part["type"] == "image_url":
             prefix += (placeholder(len(media["image"])) if placeholder else None) or ""
-            media["image"].append(image_url_of(part))
+            media["image"].append(media_url_of(part, "image"))
         elif part["type"] == "video_url":
             prefix += (video_placeholder(len(media["video"])) if video_placeholder else None) or ""
-            media["video"].append(video_url_of(part))
+            media["video"].append(media_url_of(part, "video"))
     media = {"image": [load_image(url) for url in media["image"]], "video": [load_video(url) for url in media["video"]]}
     return with_media(prefix + text, media)

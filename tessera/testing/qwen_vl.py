@@ -12,9 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLProcessor,
@@ -25,49 +23,13 @@ from transformers import (
     Qwen2VLVideoProcessor,
 )
 
-from .tokenizer import english_corpus
+from .tokenizer import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_SPECIAL_TOKENS, build_tokenizer
 
-QWEN_VL_SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-    "<|video_pad|>",
-)  # fmt: skip
-QWEN_VL_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH_SIZE = 8, 2, 2
 MIN_PIXELS, MAX_PIXELS = 16 * 16, 16 * 16 * 12
 
 
-def build_qwen_vl_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE (no BOS, as Qwen's), the special tokens appended after the trained vocabulary."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=480, special_tokens=["<unk>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )  # fmt: skip
-    tok.train_from_iterator(english_corpus(), trainer)
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN_VL_SPECIAL_TOKENS])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token="<unk>",
-        padding_side="left",
-        chat_template=QWEN_VL_CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-        model_input_names=["input_ids", "attention_mask"],
-    )
-
-
-def _text_config(tokenizer: PreTrainedTokenizerFast) -> tuple[dict, dict[str, int]]:
+def _text_config(tokenizer) -> tuple[dict, dict[str, int]]:
     """Qwen2 decoder, hidden 32, 2 layers, 4 heads over 2 KV heads, M-RoPE sections [1, 1, 2]; the special token ids."""
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}
     text = dict(
@@ -77,6 +39,13 @@ def _text_config(tokenizer: PreTrainedTokenizerFast) -> tuple[dict, dict[str, in
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
     )  # fmt: skip
     return text, ids
+
+
+def _vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
+    return dict(
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )  # fmt: skip
 
 
 def _save(folder: Path, model_cls, config, processor_cls, tokenizer, seed: int) -> Path:
@@ -105,16 +74,14 @@ def _save(folder: Path, model_cls, config, processor_cls, tokenizer, seed: int) 
 
 def build_tiny_qwen2_vl(folder, *, seed: int = 0) -> Path:
     """Write the checkpoint (config, safetensors, tokenizer, processor) to `folder`; returns it."""
-    tokenizer = build_qwen_vl_tokenizer()
+    tokenizer = build_tokenizer("qwen")
     text, ids = _text_config(tokenizer)
     vision = dict(
         depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=PATCH_SIZE,
         spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, hidden_act="quick_gelu",
     )  # fmt: skip
     config = Qwen2VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+        text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_token_ids(ids)
     )  # fmt: skip
     return _save(Path(folder), Qwen2VLForConditionalGeneration, config, Qwen2VLProcessor, tokenizer, seed)
 
@@ -124,7 +91,7 @@ def build_tiny_qwen2_5_vl(folder, *, seed: int = 0) -> Path:
     whole frames, 0 and 2 within 32-pixel windows, i.e. 2x2 merged tokens), width 32, 2 heads, SwiGLU 64;
     25 tokens per second (videos without metadata are taken at 24 fps: 2.08 positions per grid frame).
     Write the checkpoint to `folder`; returns it."""
-    tokenizer = build_qwen_vl_tokenizer()
+    tokenizer = build_tokenizer("qwen")
     text, ids = _text_config(tokenizer)
     vision = dict(
         depth=4, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
@@ -132,8 +99,6 @@ def build_tiny_qwen2_5_vl(folder, *, seed: int = 0) -> Path:
         hidden_act="silu", window_size=32, fullatt_block_indexes=[1, 3], tokens_per_second=25,
     )  # fmt: skip
     config = Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+        text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_token_ids(ids)
     )  # fmt: skip
     return _save(Path(folder), Qwen2_5_VLForConditionalGeneration, config, Qwen2_5_VLProcessor, tokenizer, seed)
