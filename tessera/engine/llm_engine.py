@@ -68,7 +68,8 @@ class LLMEngine:
         )
         self.encoder_cache = encoder_cache
         if getattr(self.model, "is_mm_prefix_lm", False):  # a chunk ending inside an image lacks its later tokens
-            scheduler_config.disable_chunked_mm_input = True
+            scheduler_config = dataclasses.replace(scheduler_config, disable_chunked_mm_input=True)  # not the caller's
+            self.scheduler_config = scheduler_config
         self.kv_window = kv_window(self.model) if cache_config.free_out_of_window_blocks else None
         self.scheduler = Scheduler(
             scheduler_config, self.block_manager, encoder_cache, self.encoder_budget, self.max_model_len,
