@@ -244,9 +244,13 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
             raise ValueError(f"{pixels_key} must be a (num_patches, patch_dim) tensor, with {grid_key}")
         grid_thw = torch.as_tensor(grid_thw).reshape(-1, 3)
         dtype, device = module_dtype_device(self.visual)
-        embeds = self.visual(pixel_values.to(device=device, dtype=dtype), grid_thw)
+        embeds = self._run_vision_tower(pixel_values.to(device=device, dtype=dtype), grid_thw)
         sizes = (grid_thw.prod(-1) // self.spatial_merge_size**2).tolist()
         return list(embeds.split(sizes))
+
+    def _run_vision_tower(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """[N, patch_dim] patches of items with grids grid_thw [n, 3] -> [N / merge**2, embedding dim]."""
+        return self.visual(pixel_values, grid_thw)
 
     def get_mrope_input_positions(
         self, input_tokens: list[int], mm_features: Sequence[Any]

@@ -17,6 +17,7 @@ _BUILTIN_MODELS = {
     "LlavaForConditionalGeneration": "tessera.models.llava:LlavaForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "tessera.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "tessera.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     "FuyuForCausalLM": "tessera.models.fuyu:FuyuForCausalLM",
     "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
     "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",
@@ -34,6 +35,7 @@ _BUILTIN_TEXT_MODELS = {
     "qwen2_5_vl_text": "tessera.models.qwen2:Qwen2ForCausalLM",  # so is Qwen2.5-VL's
     "mistral": "tessera.models.mistral:MistralForCausalLM",
     "qwen3": "tessera.models.qwen3:Qwen3ForCausalLM",
+    "qwen3_vl_text": "tessera.models.qwen3_vl:Qwen3VLTextForCausalLM",  # Qwen3's, adding DeepStack features
     "gemma3_text": "tessera.models.gemma3:Gemma3ForCausalLM",
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections import UserDict
 from collections.abc import Mapping, Sequence
@@ -49,6 +50,17 @@ class ModalityDataItems(ABC, Generic[_T]):
 
     def get_all(self) -> list[_T]:
         return [self.get(i) for i in range(self.get_count())]
+
+    def get_hash_item(self, index: int) -> object:
+        """What identifies item `index` for the caches: the item itself, plus anything beside it
+        that changes how it is processed (a video's metadata)."""
+        return self.get(index)
+
+    def subset(self, indices: Sequence[int]) -> "ModalityDataItems[_T]":
+        """The items at `indices`, in that order (with whatever the class keeps per item)."""
+        subset = copy.copy(self)
+        subset.data = [self.get(i) for i in indices]
+        return subset
 
     @abstractmethod
     def get_processor_data(self) -> Mapping[str, object]:
@@ -114,6 +126,36 @@ class VideoProcessorItems(ProcessorBatchItems[np.ndarray]):
 
     def get_metadata(self, item_index: int) -> Optional[dict[str, Any]]:
         return self.metadata[item_index]
+
+    def get_processor_data(self) -> Mapping[str, object]:
+        """The frames, and when any video came with metadata, `video_metadata` for all of them (the
+        others get what transformers infers for a bare array: frames 0..T-1 at an unknown fps), so
+        processors that place frames in time (Qwen2.5-VL's second_per_grid_ts, Qwen3-VL's
+        timestamps) see the source's frame rate and which frames were sampled."""
+        data = dict(super().get_processor_data())
+        if any(meta is not None for meta in self.metadata):
+            data["video_metadata"] = [
+                dict(meta) if meta is not None else bare_video_metadata(video)
+                for video, meta in zip(self.data, self.metadata)
+            ]
+        return data
+
+    def get_hash_item(self, index: int) -> object:
+        meta = self.metadata[index]
+        return self.get(index) if meta is None else (self.get(index), meta)
+
+    def subset(self, indices: Sequence[int]) -> "VideoProcessorItems":
+        subset = super().subset(indices)
+        subset.metadata = [self.metadata[i] for i in indices]
+        return subset
+
+
+def bare_video_metadata(video: np.ndarray) -> dict[str, Any]:
+    """transformers' metadata for frames given without any (video_utils.make_batched_metadata)."""
+    return {
+        "total_num_frames": len(video), "fps": None, "duration": None, "frames_indices": list(range(len(video))),
+        "height": int(video.shape[1]), "width": int(video.shape[2]),
+    }  # fmt: skip
 
 
 def image_size_of(image: ImageItem) -> ImageSize:

@@ -7,7 +7,6 @@ token prompts, prompt updates, placeholders, hashes) happens here, model-agnosti
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Optional, TypeVar
@@ -19,7 +18,7 @@ from .context import InputProcessingContext
 from .hasher import MultiModalHasher
 from .hf_compat import tokenize_text_only
 from .inputs import MultiModalDataDict, MultiModalFieldConfig, MultiModalInputs, MultiModalKwargs, MultiModalUUIDDict
-from .parse import EmbeddingItems, ModalityDataItems, MultiModalDataItems, MultiModalDataParser
+from .parse import EmbeddingItems, MultiModalDataItems, MultiModalDataParser
 from .placeholders import place_items
 from .prompt_matching import ResolvedUpdates, resolve_updates
 from .prompt_updates import (  # noqa: F401  (re-exported: model files import them from here)
@@ -215,9 +214,12 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
                 uuid
                 if uuid is not None and not kwargs
                 else MultiModalHasher.hash_kwargs(
-                    model_id=self.info.model_id, modality=modality, item=item if uuid is None else uuid, kwargs=kwargs
+                    model_id=self.info.model_id,
+                    modality=modality,
+                    item=items.get_hash_item(i) if uuid is None else uuid,
+                    kwargs=kwargs,
                 )
-                for item, uuid in zip(items.get_all(), uuids)
+                for i, uuid in enumerate(uuids)
             ]
         return hashes
 
@@ -321,7 +323,7 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
                     cached[modality][i] = hit
             missing_indices = [i for i in range(items.get_count()) if i not in cached[modality]]
             if missing_indices:
-                missing[modality] = _subset(items, missing_indices)
+                missing[modality] = items.subset(missing_indices)
 
         prompt_ids, fresh, _ = self._apply_hf_processor_main(
             prompt, missing, hf_processor_mm_kwargs, enable_hf_prompt_update=False
@@ -343,12 +345,6 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
     ) -> tuple[list[int], dict]:
         """Find the placeholders the HF processor expanded, or expand them ourselves (placeholders.py)."""
         return place_items(prompt_ids, resolved, self._codec, maybe_applied=maybe_applied)
-
-
-def _subset(items: ModalityDataItems, indices: Sequence[int]) -> ModalityDataItems:
-    subset = copy.copy(items)
-    subset.data = [items.get(i) for i in indices]
-    return subset
 
 
 # Names model files import from this module, as in vLLM.

@@ -21,6 +21,10 @@ from transformers import (
     Qwen2VLImageProcessor,
     Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
+    Qwen3VLVideoProcessor,
 )
 
 from .tokenizer import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_SPECIAL_TOKENS, build_tokenizer
@@ -48,7 +52,7 @@ def _vision_token_ids(ids: dict[str, int]) -> dict[str, int]:
     )  # fmt: skip
 
 
-def _save(folder: Path, model_cls, config, processor_cls, tokenizer, seed: int) -> Path:
+def _save(folder: Path, model_cls, config, processor_cls, tokenizer, seed: int, video_processor=None) -> Path:
     """Widened random weights (HF's init leaves small ones), then the processor with the tiny resize bounds."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -65,7 +69,7 @@ def _save(folder: Path, model_cls, config, processor_cls, tokenizer, seed: int) 
     processor = processor_cls(
         image_processor=Qwen2VLImageProcessor(**processing),
         tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(**processing),
+        video_processor=video_processor or Qwen2VLVideoProcessor(**processing),
         chat_template=QWEN_VL_CHAT_TEMPLATE,
     )
     processor.save_pretrained(folder)
@@ -102,3 +106,34 @@ def build_tiny_qwen2_5_vl(folder, *, seed: int = 0) -> Path:
         text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_token_ids(ids)
     )  # fmt: skip
     return _save(Path(folder), Qwen2_5_VLForConditionalGeneration, config, Qwen2_5_VLProcessor, tokenizer, seed)
+
+
+def build_tiny_qwen3_vl(folder, *, seed: int = 0) -> Path:
+    """Qwen3-VL: a Qwen3 decoder (q/k RMSNorm, head_dim 8) with interleaved M-RoPE sections [2, 1, 1],
+    3 layers; vision depth 3, width 32, 2 heads, 8-pixel patches, a learned 4x4 position table
+    resampled to each grid, DeepStack features from vision blocks 0 and 1 added after decoder layers
+    0 and 1. Videos are sampled by the HF processor's rules unless frames are given pre-sampled.
+    Write the checkpoint to `folder`; returns it."""
+    tokenizer = build_tokenizer("qwen")
+    text, ids = _text_config(tokenizer)
+    text.update(
+        num_hidden_layers=3, head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                         "mrope_interleaved": True},
+    )  # fmt: skip
+    vision = dict(
+        depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+        patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        hidden_act="gelu_pytorch_tanh", num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+    )  # fmt: skip
+    config = Qwen3VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_token_ids(ids)
+    )  # fmt: skip
+    # Qwen3-VL's video processor bounds the pixels of the whole clip (frames x height x width)
+    video_processor = Qwen3VLVideoProcessor(
+        patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS * 4},
+    )  # fmt: skip
+    return _save(
+        Path(folder), Qwen3VLForConditionalGeneration, config, Qwen3VLProcessor, tokenizer, seed, video_processor
+    )

@@ -251,8 +251,11 @@ def test_the_video_forms_parse_to_one_array(drawn, form):
     videos = parse(video=VIDEO_FORMS[form](drawn)).get_items("video", VideoProcessorItems)
     assert len(videos) == 1 and videos.get_num_frames(0) == 4
     assert videos.get_frame_size(0) == (WIDTH, HEIGHT)
-    assert np.array_equal(videos[0], drawn) and videos.get_processor_data() == {"videos": [videos[0]]}
+    assert np.array_equal(videos[0], drawn) and videos.get_processor_data()["videos"] == [videos[0]]
     assert (videos.get_metadata(0) is not None) == (form == "video_frames")
+    # the HF processor is told the source's frame rate and which frames were kept when they are known
+    metadata = videos.get_processor_data().get("video_metadata")
+    assert metadata == ([{**VIDEO_FORMS[form](drawn).metadata}] if form == "video_frames" else None)
 
 
 def test_a_list_of_videos_is_several_items(drawn):
