@@ -2,7 +2,7 @@
 
 tessera generate "What colour is the circle?" --image photo.png
 tessera generate "What happens?" --video clip.mp4 --media-io-kwargs '{"video": {"num_frames": 8}}'
-tessera chat --model path/to/model
+tessera chat --model path/to/model  (then /image PATH or /video PATH attaches media to the next message)
 tessera chat path/to/model.gguf
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Optional, TextIO
 
 from .. import DEMO_MODEL
 from ..gguf_file import find_gguf_file
-from ..multimodal.media import LOCAL_FILES, MediaPolicy, check_media_io_kwargs, load_image_url
+from ..multimodal.media import LOCAL_FILES, MediaPolicy, check_media_io_kwargs, load_image_url, load_video_url
 from ..sampling_params import SamplingParams
 
 
@@ -35,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common_options(generate)
 
     chat = commands.add_parser("chat", help="chat in the terminal",
-                               description="Chat with the model. Commands: /image PATH attaches an image to "
-                               "the next message, /reset clears the history, /exit quits.")  # fmt: skip
+                               description="Chat with the model. Commands: /image PATH attaches an image and "
+                               "/video PATH a video (sampled as --media-io-kwargs say) to the next message, in the "
+                               "order given; /reset clears the history, /exit quits.")  # fmt: skip
     _model_argument(chat)
     _common_options(chat)
 
@@ -233,12 +234,16 @@ def _load(model: Optional[str], out: TextIO, options: Optional[dict] = None) -> 
 
 
 def _user_message(text: str, images: Sequence[str], videos: Sequence[str] = ()) -> dict:
-    for kind, paths in (("Image", images), ("Video", videos)):
-        for path in paths:
-            if not Path(path).is_file():
-                raise ValueError(f"{kind} file {path} does not exist.")
-    parts: list[dict] = [{"type": "image_url", "image_url": {"url": str(Path(p).resolve())}} for p in images]
-    parts += [{"type": "video_url", "video_url": {"url": str(Path(p).resolve())}} for p in videos]
+    return _message_with_media(text, [("image", p) for p in images] + [("video", p) for p in videos])
+
+
+def _message_with_media(text: str, media: Sequence[tuple[str, str]]) -> dict:
+    """A user message of the ("image" | "video", path) media in the order given, then the text."""
+    parts: list[dict] = []
+    for kind, path in media:
+        if not Path(path).is_file():
+            raise ValueError(f"{kind.capitalize()} file {path} does not exist.")
+        parts.append({"type": f"{kind}_url", f"{kind}_url": {"url": str(Path(path).resolve())}})
     parts.append({"type": "text", "text": text})
     return {"role": "user", "content": parts}
 
@@ -272,10 +277,23 @@ def _stream_answer(
     return answer
 
 
+def _check_media_file(kind: str, path: str, media_io_kwargs: Optional[dict]) -> None:
+    """Load the image or video at `path` as the turn will (videos sampled as `media_io_kwargs` say),
+    so that a bad file is refused when attached, not mid-turn. ValueError (InputError) if it fails."""
+    url = str(Path(path).resolve())
+    if kind == "image":
+        load_image_url(url, LOCAL_FILES)
+    else:
+        load_video_url(url, LOCAL_FILES, **(media_io_kwargs or {}).get("video", {}))
+
+
 def _chat(llm: Any, params: SamplingParams, stdin: TextIO, out: TextIO, media_io_kwargs: Optional[dict] = None) -> None:
     history: list[dict] = []
-    images: list[str] = []
-    out.write("Chat with the model. /image PATH attaches an image, /reset clears the history, /exit quits.\n")
+    attached: list[tuple[str, str]] = []  # ("image" | "video", path) for the next message, in order
+    out.write(
+        "Chat with the model. /image PATH attaches an image, /video PATH a video, /reset clears the history, "
+        "/exit quits.\n"
+    )
     while True:
         out.write("> ")
         out.flush()
@@ -286,29 +304,33 @@ def _chat(llm: Any, params: SamplingParams, stdin: TextIO, out: TextIO, media_io
         if not line:
             continue
         if line == "/reset":
-            history, images = [], []
+            history, attached = [], []
             out.write("(history cleared)\n")
             continue
-        if line.startswith("/image"):
-            path = line[len("/image") :].strip()
+        command = line.split(maxsplit=1)[0]
+        if command in ("/image", "/video"):
+            kind, path = command[1:], line[len(command) :].strip()
+            if not path:
+                out.write(f"(usage: {command} PATH)\n")
+                continue
             try:
-                load_image_url(str(Path(path).resolve()), LOCAL_FILES)  # refuse a bad file now, not mid-turn
+                _check_media_file(kind, path, media_io_kwargs)  # refuse a bad file now, not mid-turn
             except ValueError as e:
                 out.write(f"(not attached: {e})\n")
             else:
-                images.append(path)
+                attached.append((kind, path))
                 out.write(f"(attached {path})\n")
             continue
         turn = len(history)
         try:
-            history.append(_user_message(line, images))
+            history.append(_message_with_media(line, attached))
             answer = _stream_answer(llm, history, params, out, media_io_kwargs)
         except Exception as e:  # e.g. too many images: report it in one line, drop the turn, keep chatting
             del history[turn:]
             out.write(f"(error: {e})\n")
             continue
         finally:
-            images = []
+            attached = []
         history.append({"role": "assistant", "content": answer})
 
 

@@ -1,10 +1,12 @@
 """Loading images and videos from what users send: data URLs, local files and http(s) URLs, under
 a policy.
 
-`read_media_bytes` is the IO part (it blocks on the network for http(s) URLs, up to
-`MediaPolicy.timeout` in all), `decode_image` / `decode_video` the CPU part; `load_image_url` and
-`load_video_url` are both. The fetch itself (addresses vetted, redirects re-checked, one total
-deadline) is in media_fetch.py, the header checks and decoding in image_decode.py and video.py.
+`read_media_bytes` (`read_video_data` for videos) is the IO part (it blocks on the network for
+http(s) URLs, up to `MediaPolicy.timeout` in all), `decode_image` / `decode_video` the CPU part;
+`load_image_url` and `load_video_url` are both. Besides video files, videos may come as vLLM's
+`data:video/jpeg;base64,<frame>,<frame>,...` URLs: base64 JPEG frames joined by commas. The
+fetch itself (addresses vetted, redirects re-checked, one total deadline) is in media_fetch.py, the
+header checks and decoding in image_decode.py and video.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import stat
 import string
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 from urllib.parse import unquote, urlsplit
 
 from PIL import Image
@@ -25,10 +27,12 @@ from ..errors import InputError, InputTooLargeError
 from .image_decode import check_image, decode_image
 from .media_fetch import fetch_url
 from .media_policy import MediaPolicy
-from .video import VideoFrames, decode_video
+from .video import JpegFrames, VideoFrames, check_frame_count, decode_video
 
 __all__ = [
     "IMAGE_MIME_TYPES",
+    "JPEG_FRAMES_MIME_TYPE",
+    "JpegFrames",
     "LOCAL_FILES",
     "VIDEO_MIME_TYPES",
     "MediaPolicy",
@@ -42,11 +46,13 @@ __all__ = [
     "load_video_url",
     "merge_media_io_kwargs",
     "read_media_bytes",
+    "read_video_data",
 ]
 
 IMAGE_MIME_TYPES = ("image/jpeg", "image/png", "image/webp", "image/gif", "image/bmp")
 VIDEO_MIME_TYPES = ("video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/x-msvideo")
 MIME_TYPES = {"image": IMAGE_MIME_TYPES, "video": VIDEO_MIME_TYPES}
+JPEG_FRAMES_MIME_TYPE = "video/jpeg"  # vLLM's video as base64 JPEG frames joined by commas (data URLs only)
 MAX_URL_CHARS = 8192  # for http(s) URLs and paths; data URLs are limited by max_bytes
 ASCII_WHITESPACE = b" \t\n\r\x0b\x0c"
 CONTROL_OR_SPACE = "".join(map(chr, range(33)))
@@ -112,7 +118,8 @@ def read_data_url(url: str, max_bytes: int, kind: str = "image") -> bytes:
     mime_types = MIME_TYPES[kind]
     if params[0] not in mime_types:
         shown = repr(params[0][:40]) if params[0] else "none"
-        raise InputError(f"Unsupported media type {shown}; send one of {', '.join(mime_types)}.")
+        accepted = (*mime_types, f"{JPEG_FRAMES_MIME_TYPE} (JPEG frames)") if kind == "video" else mime_types
+        raise InputError(f"Unsupported media type {shown}; send one of {', '.join(accepted)}.")
     if "base64" not in params[1:]:
         raise InputError(f"{kind.capitalize()} data URLs must be base64-encoded (data:{mime_types[0]};base64,...).")
     # The size the payload decodes to, from its length (4 characters carry 3 bytes), before any copy.
@@ -127,6 +134,44 @@ def read_data_url(url: str, max_bytes: int, kind: str = "image") -> bytes:
     if len(data) > max_bytes:
         raise too_large(max_bytes, kind)
     return data
+
+
+def is_jpeg_frames_url(url: str) -> bool:
+    """Whether `url` is a `data:video/jpeg...` URL (vLLM's video as JPEG frames)."""
+    if url[:5].lower() != "data:":
+        return False
+    return url[5:].partition(",")[0].split(";")[0].strip().lower() == JPEG_FRAMES_MIME_TYPE
+
+
+def read_video_data(url: str, policy: MediaPolicy) -> Union[bytes, JpegFrames]:
+    """What decode_video takes for the video at `url`: the file's bytes (read_media_bytes with
+    kind="video"), or for a `data:video/jpeg;base64,<frame>,<frame>,...` URL (vLLM's
+    VideoMediaIO.load_base64 splits it on "," and decodes each part as a base64 JPEG) its frames'
+    bytes, at most max_video_bytes in all and max_video_decoded_frames frames."""
+    if not is_jpeg_frames_url(url):
+        return read_media_bytes(url, policy, "video")
+    header, _, payload = url.partition(",")
+    max_bytes = policy.max_video_bytes
+    if "base64" not in [p.strip().lower() for p in header[5:].split(";")[1:]]:
+        raise InputError(f"Video data URLs must be base64-encoded (data:{JPEG_FRAMES_MIME_TYPE};base64,...).")
+    count = payload.count(",") + 1
+    check_frame_count(count, policy)  # before decoding any
+    chars = len(payload) - sum(payload.count(c) for c in ASCII_WHITESPACE.decode()) - (count - 1)
+    if chars // 4 * 3 - 2 * count > max_bytes:  # (up to 2 bytes of padding a frame)
+        raise too_large(max_bytes, "video")
+    frames = []
+    for index, part in enumerate(payload.split(",")):
+        try:
+            compact = b"".join(part.encode("ascii").split())
+            frame = base64.b64decode(compact, validate=True)
+        except (UnicodeEncodeError, binascii.Error, ValueError) as e:
+            raise InputError(f"Frame {index} of the video data URL is not valid base64.") from e
+        if not frame:
+            raise InputError(f"Frame {index} of the video data URL is empty.")
+        frames.append(frame)
+    if sum(map(len, frames)) > max_bytes:
+        raise too_large(max_bytes, "video")
+    return JpegFrames(frames)
 
 
 def read_local_file(url: str, is_file_url: bool, policy: MediaPolicy, kind: str = "image") -> bytes:
@@ -199,14 +244,14 @@ def load_video_url(
     fps: Optional[float] = None,
     **overrides: Any,
 ) -> VideoFrames:
-    """The frames sampled from the video at `url` (see read_media_bytes; `data:video/mp4;base64,...`,
-    a file or an http(s) URL under the same policy rules as images), checked and decoded under
-    `policy` (see video.decode_video for `num_frames` and `fps`). Keyword overrides replace policy
-    fields, as in load_image_url."""
+    """The frames sampled from the video at `url` (see read_video_data; `data:video/mp4;base64,...`,
+    vLLM's `data:video/jpeg;base64,<frame>,<frame>,...`, a file or an http(s) URL under the same
+    policy rules as images), checked and decoded under `policy` (see video.decode_video for
+    `num_frames` and `fps`). Keyword overrides replace policy fields, as in load_image_url."""
     policy = policy or MediaPolicy()
     if overrides:
         policy = dataclasses.replace(policy, **{LEGACY_NAMES.get(k, k): v for k, v in overrides.items()})
-    return decode_video(read_media_bytes(url, policy, "video"), policy, num_frames=num_frames, fps=fps)
+    return decode_video(read_video_data(url, policy), policy, num_frames=num_frames, fps=fps)
 
 
 MEDIA_IO_OPTIONS = {"image": frozenset(), "video": frozenset({"num_frames", "fps"})}

@@ -10,6 +10,12 @@ Sampling is vLLM's (its OpenCV backend's `load_bytes`): `n = min(num_frames, tot
 also `n = min(n, floor(duration * fps))`, at least 1; all frames when `n == total`, else the
 `n` indices `np.linspace(0, total - 1, n)` rounded down. `num_frames` defaults to vLLM's 32;
 `num_frames=-1` (vLLM's "all") takes every frame, up to the policy's `max_video_frames`.
+
+vLLM's `data:video/jpeg;base64,<frame>,<frame>,...` URLs (a video sent as its JPEG frames, which
+`VideoMediaIO.load_base64` splits on "," and stacks) come here as `JpegFrames` (media.py reads the
+URL): the same limits (bytes, frame count, frame size), the same sampling with the frame rate
+unknown (so `fps` caps nothing), and no timing: `VideoFrames.metadata` is None, as for frames
+given as an array.
 """
 
 from __future__ import annotations
@@ -17,18 +23,29 @@ from __future__ import annotations
 import io
 import logging
 import math
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
+from PIL import Image
 
 from ..errors import InputError, InputTooLargeError
-from .image_decode import check_size
+from .image_decode import _open_lock, check_size, to_rgb
 from .media_policy import MediaPolicy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_NUM_FRAMES", "VideoFrames", "decode_video", "sample_frame_indices", "video_format"]
+__all__ = [
+    "DEFAULT_NUM_FRAMES",
+    "JpegFrames",
+    "VideoFrames",
+    "decode_jpeg_frames",
+    "decode_video",
+    "sample_frame_indices",
+    "video_format",
+]
 
 DEFAULT_NUM_FRAMES = 32
 """Frames sampled when neither `num_frames` nor the caller says otherwise (vLLM's VideoMediaIO default)."""
@@ -73,8 +90,11 @@ class VideoFrames:
         return [i / self.fps for i in self.frames_indices] if self.fps > 0 else [0.0] * len(self.frames_indices)
 
     @property
-    def metadata(self) -> dict[str, Any]:
-        """The fields of transformers' `VideoMetadata` (video_utils.py): `VideoMetadata(**metadata)`."""
+    def metadata(self) -> Optional[dict[str, Any]]:
+        """The fields of transformers' `VideoMetadata` (video_utils.py): `VideoMetadata(**metadata)`;
+        None when the frame rate is unknown (JPEG frames: as for frames given as an array)."""
+        if self.fps <= 0:
+            return None
         return {
             "total_num_frames": self.total_num_frames,
             "fps": self.fps,
@@ -84,6 +104,10 @@ class VideoFrames:
             "video_backend": "pyav",
             "frames_indices": list(self.frames_indices),
         }
+
+
+class JpegFrames(tuple):
+    """The frames of a vLLM `data:video/jpeg;base64,...` URL: each frame's JPEG bytes, in order."""
 
 
 def video_format(data: bytes) -> Optional[str]:
@@ -134,7 +158,7 @@ def decode_failed(error: BaseException, what: str = "video") -> InputError:
 
 
 def decode_video(
-    data: bytes,
+    data: Union[bytes, JpegFrames],
     policy: Optional[MediaPolicy] = None,
     *,
     num_frames: Optional[int] = None,
@@ -142,7 +166,10 @@ def decode_video(
 ) -> VideoFrames:
     """The frames of the video in `data`, sampled as the module docstring says (CPU work: every
     frame up to the last sampled one is decoded). InputError (InputTooLargeError for sizes) naming
-    the limit for anything the policy refuses, or the video cannot be read."""
+    the limit for anything the policy refuses, or the video cannot be read. `JpegFrames` go to
+    decode_jpeg_frames."""
+    if isinstance(data, JpegFrames):
+        return decode_jpeg_frames(data, policy, num_frames=num_frames, fps=fps)
     import av  # FFmpeg's libraries load on the first video, not on every import of the media layer
 
     policy = policy or MediaPolicy()
@@ -185,11 +212,7 @@ def decode_video(
         if total == 0:
             raise InputError("The video has no frames.")
         indices = sample_frame_indices(total, source_fps, num_frames, fps)
-        if len(indices) > policy.max_video_frames:
-            raise InputError(
-                f"The video would give {len(indices)} frames, over the limit of {policy.max_video_frames} frames "
-                "per video (max_video_frames); ask for fewer with num_frames or fps."
-            )
+        check_sampled_count(len(indices), policy)
         frames, found, decoded = decode_frames(av, container, stream, indices, (width, height), policy)
     finally:
         container.close()
@@ -206,6 +229,72 @@ def decode_video(
         total_num_frames=total,
         frames_indices=tuple(found),
     )
+
+
+def check_sampled_count(count: int, policy: MediaPolicy) -> None:
+    if count > policy.max_video_frames:
+        raise InputError(
+            f"The video would give {count} frames, over the limit of {policy.max_video_frames} frames "
+            "per video (max_video_frames); ask for fewer with num_frames or fps."
+        )
+
+
+def decode_jpeg_frames(
+    frames: Sequence[bytes],
+    policy: Optional[MediaPolicy] = None,
+    *,
+    num_frames: Optional[int] = None,
+    fps: Optional[float] = None,
+) -> VideoFrames:
+    """A video from its JPEG frames (vLLM's `video/jpeg` data URLs), sampled as decode_video samples
+    a video whose frame rate is unknown: `n = min(num_frames, total)` frames at
+    `np.linspace(0, total - 1, n)` rounded down, `fps` ignored. Every frame's header is checked (a
+    JPEG, the video frame size limits, one size for all) before the sampled frames are decoded;
+    the bytes limit is the reader's (media.read_video_data)."""
+    policy = policy or MediaPolicy()
+    num_frames = check_sampling(num_frames, fps, policy)
+    total = len(frames)
+    check_frame_count(total, policy)
+    if total == 0:
+        raise InputError("The video has no frames.")
+    size: Optional[tuple[int, int]] = None
+    for index, data in enumerate(frames):
+        frame_size = open_jpeg(data, index).size
+        if size is None:
+            check_frame_size(*frame_size, policy)
+            size = frame_size
+        elif frame_size != size:
+            raise InputError(
+                f"The video's JPEG frames differ in size: frame 0 is {size[0]}x{size[1]} pixels, frame {index} "
+                f"{frame_size[0]}x{frame_size[1]}; send frames of one size."
+            )
+    indices = sample_frame_indices(total, 0.0, num_frames, fps)
+    check_sampled_count(len(indices), policy)
+    decoded = []
+    for index in indices:
+        image = open_jpeg(frames[index], index)
+        try:
+            image.load()
+        except Exception as e:
+            logger.info("A video's JPEG frame could not be decoded: %s: %s", type(e).__name__, e)
+            raise InputError(f"The video's frame {index} could not be decoded: a corrupt or truncated JPEG.") from None
+        decoded.append(np.asarray(to_rgb(image)))
+    return VideoFrames(
+        frames=np.stack(decoded), fps=0.0, duration=0.0, total_num_frames=total, frames_indices=tuple(indices)
+    )
+
+
+def open_jpeg(data: bytes, index: int) -> Image.Image:
+    """Frame `index` opened (its header read), or an InputError if it is not a JPEG image."""
+    try:
+        with _open_lock, warnings.catch_warnings():  # the pixel limit is check_frame_size's
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data), formats=["JPEG"])
+    except Image.DecompressionBombError:
+        raise InputTooLargeError(f"The video's frame {index} is over PIL's pixel limit; send smaller frames.") from None
+    except Exception as e:
+        logger.info("A video's JPEG frame could not be read: %s: %s", type(e).__name__, e)
+        raise InputError(f"The video's frame {index} could not be decoded: it is not a JPEG image.") from None
 
 
 def decode_frames(

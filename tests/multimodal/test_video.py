@@ -5,6 +5,7 @@ the top half's colour cycles through VIDEO_COLORS, a white square moves SQUARE_S
 from __future__ import annotations
 
 import base64
+import io
 import math
 
 import numpy as np
@@ -303,3 +304,88 @@ def test_a_playlist_is_never_handed_to_ffmpeg():
     for policy in (MediaPolicy(), LOCAL_FILES):
         with pytest.raises(InputError, match="not a video file of a supported format"):
             decode_video(playlist, policy)
+
+
+# ---- vLLM's data:video/jpeg;base64,<frame>,<frame>,... URLs -------------------------------------
+
+
+def jpeg_bytes(frame, quality=95):
+    buffer = io.BytesIO()
+    Image.fromarray(frame).save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
+JPEG_COUNT = 6
+
+
+@pytest.fixture(scope="module")
+def jpegs():
+    return [jpeg_bytes(video_frame(i, WIDTH, HEIGHT)) for i in range(JPEG_COUNT)]
+
+
+def jpeg_url(frames, header="data:video/jpeg;base64"):
+    return header + "," + ",".join(base64.b64encode(f).decode() for f in frames)
+
+
+def test_a_jpeg_frames_url_is_a_video_of_those_frames(jpegs):
+    # vLLM: data.split(",") and each part decoded as a base64 JPEG (PIL, RGB), stacked
+    expected = np.stack([np.asarray(Image.open(io.BytesIO(j)).convert("RGB")) for j in jpegs])
+    video = load_video_url(jpeg_url(jpegs))
+    assert video.frames.dtype == np.uint8 and np.array_equal(video.frames, expected)
+    assert video.frames_indices == tuple(range(JPEG_COUNT)) and video.total_num_frames == JPEG_COUNT
+    assert [frame_index(f) for f in video.frames] == list(range(JPEG_COUNT))  # in the order sent
+    assert video.metadata is None  # no frame rate: as for frames given as an array
+    # line-wrapped base64 and upper-case media types read as data URLs do
+    wrapped = "data:Video/JPEG;base64," + ",".join(base64.encodebytes(j).decode() for j in jpegs)
+    assert np.array_equal(load_video_url(wrapped).frames, expected)
+
+
+@pytest.mark.parametrize("num_frames, fps", [(2, None), (4, None), (5, None), (100, None), (None, 0.5), (3, 1)])
+def test_jpeg_frames_are_sampled_as_a_video_whose_rate_is_unknown(jpegs, num_frames, fps):
+    # n = min(num_frames (32 by default), total); with no frame rate, fps cannot cap n
+    n = min(num_frames or 32, JPEG_COUNT)
+    expected = list(range(JPEG_COUNT)) if n == JPEG_COUNT else linspace_floor(JPEG_COUNT, n)
+    video = load_video_url(jpeg_url(jpegs), num_frames=num_frames, fps=fps)
+    assert list(video.frames_indices) == expected
+    assert [frame_index(f) for f in video.frames] == expected
+
+
+def test_jpeg_frames_keep_the_video_limits(jpegs):
+    url = jpeg_url(jpegs)
+    total = sum(map(len, jpegs))
+    assert load_video_url(url, max_video_bytes=total).num_frames == JPEG_COUNT  # the limit is inclusive
+    with pytest.raises(InputTooLargeError, match=f"The video is over the size limit of {total - 1} bytes"):
+        load_video_url(url, max_video_bytes=total - 1)
+    with pytest.raises(InputTooLargeError, match="max_video_decoded_frames"):
+        load_video_url(url, max_video_decoded_frames=JPEG_COUNT - 1)
+    with pytest.raises(InputTooLargeError, match=f"{WIDTH}x{HEIGHT} pixels, over the limit of 100 pixels"):
+        load_video_url(url, max_video_frame_pixels=100)
+    with pytest.raises(InputError, match="give 6 frames, over the limit of 4 frames"):
+        load_video_url(url, max_video_frames=4, num_frames=-1)
+    with pytest.raises(InputError, match="num_frames=5 is over the limit of 4"):
+        load_video_url(url, max_video_frames=4, num_frames=5)
+    assert load_video_url(url, max_video_frames=4, num_frames=4).num_frames == 4
+
+
+@pytest.mark.parametrize(
+    "frames, header, error, match",
+    [(lambda j: [j[0], jpeg_bytes(video_frame(1, WIDTH, WIDTH))], None, InputError, "differ in size"),
+     (lambda j: [j[0], png_bytes(WIDTH, HEIGHT)], None, InputError, "frame 1 could not be decoded: it is not a JPEG"),
+     (lambda j: [j[0], j[1][: len(j[1]) // 2]], None, InputError, "frame 1 could not be decoded"),
+     (lambda j: [jpeg_bytes(video_frame(0, 2, 2))], None, InputError, "at least 4 pixels"),
+     (lambda j: j[:2], "data:video/jpeg", InputError, "must be base64-encoded"),
+     (lambda j: j[:2], "data:video/png;base64", InputError, r"Unsupported media type 'video/png'.*video/jpeg")],
+)  # fmt: skip
+def test_bad_jpeg_frames_are_clear_input_errors(jpegs, frames, header, error, match):
+    with pytest.raises(error, match=match):
+        load_video_url(jpeg_url(frames(jpegs), header or "data:video/jpeg;base64"))
+
+
+@pytest.mark.parametrize(
+    "payload, match",
+    [("AAAA,,AAAA", "Frame 1 of the video data URL is empty"),
+     ("AAAA,not base64!", "Frame 1 of the video data URL is not valid base64")],
+)  # fmt: skip
+def test_jpeg_frames_that_are_not_base64_are_refused(payload, match):
+    with pytest.raises(InputError, match=match):
+        load_video_url("data:video/jpeg;base64," + payload)

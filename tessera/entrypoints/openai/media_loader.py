@@ -17,7 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from ...errors import ServerBusyError
-from ...multimodal.media import MediaPolicy, decode_image, decode_video, is_http_url, read_media_bytes
+from ...multimodal.media import (
+    MediaPolicy,
+    decode_image,
+    decode_video,
+    is_http_url,
+    read_media_bytes,
+    read_video_data,
+)
 
 
 class AsyncMediaLoader:
@@ -36,7 +43,9 @@ class AsyncMediaLoader:
             if not self._fetch_slots.acquire(blocking=False):
                 raise ServerBusyError(f"Too many {kind} downloads are in progress; retry shortly or send a data URL.")
             data = await loop.run_in_executor(self._fetch_pool, self._fetch, url, kind)
-        else:  # base64 decoding or a local file read: short
+        elif kind == "video":  # base64 decoding (a file, or vLLM's JPEG frames) or a local file read: short
+            data = await loop.run_in_executor(self._decode_pool, read_video_data, url, self.policy)
+        else:
             data = await loop.run_in_executor(self._decode_pool, read_media_bytes, url, self.policy, kind)
         if kind == "video":
             decode = functools.partial(decode_video, data, self.policy, **(video_options or {}))

@@ -1,15 +1,24 @@
 // Tessera's chat page: plain JS, no build step.
-// The history keeps every image as a base64 JPEG <img> tag inside its message text (as the
-// text-generation-webui does); when sending, each message is split back into OpenAI content parts.
+// The history keeps every image as a base64 JPEG <img> tag and every video clip as a base64
+// <video> tag inside its message text (as the text-generation-webui does for images); when
+// sending, each message is split back into OpenAI content parts (image_url, video_url, text).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const chatHistory = [];       // {role: "user" | "assistant", content: string with <img> tags}
-let pending = [];          // data URLs of images attached to the next message
+const chatHistory = [];       // {role: "user" | "assistant", content: string with <img> / <video> tags}
+let pending = [];          // {kind: "image" | "video", src: data URL, name} attached to the next message
 let modelName = null;
 let busy = false;
 
-const IMG_TAG = /<img\s+src="(data:image\/[a-z]+;base64,[A-Za-z0-9+/=]+)"\s*\/?>/g;
+const MEDIA_TAG = /<(img|video)\s+src="(data:(image|video)\/[a-z0-9.+-]+;base64,[A-Za-z0-9+/=]+)"\s*\/?>/g;
+
+// The media tags of `content` whose tag name matches their data URL's type, in order.
+function* mediaTags(content) {
+  for (const match of content.matchAll(MEDIA_TAG)) {
+    const kind = match[1] === "img" ? "image" : "video";
+    if (kind === match[3]) yield {kind, src: match[2], index: match.index, length: match[0].length};
+  }
+}
 
 function showError(text) {
   const box = $("error");
@@ -24,17 +33,29 @@ function headers() {
   return h;
 }
 
-// Render a message: text stays text (never HTML); only our own <img> data-URL tags become images.
+function mediaElement(kind, src) {
+  if (kind === "image") {
+    const img = document.createElement("img");
+    img.src = src;
+    img.alt = "attached image";
+    return img;
+  }
+  const video = document.createElement("video");
+  video.src = src;
+  video.controls = true;
+  video.muted = true;
+  video.preload = "metadata";
+  return video;
+}
+
+// Render a message: text stays text (never HTML); only our own data-URL <img> / <video> tags become media.
 function renderContent(element, content) {
   element.replaceChildren();
   let last = 0;
-  for (const match of content.matchAll(IMG_TAG)) {
-    if (match.index > last) element.append(content.slice(last, match.index));
-    const img = document.createElement("img");
-    img.src = match[1];
-    img.alt = "attached image";
-    element.append(img);
-    last = match.index + match[0].length;
+  for (const tag of mediaTags(content)) {
+    if (tag.index > last) element.append(content.slice(last, tag.index));
+    element.append(mediaElement(tag.kind, tag.src));
+    last = tag.index + tag.length;
   }
   if (last < content.length) element.append(content.slice(last));
 }
@@ -48,16 +69,17 @@ function addBubble(role, content) {
   return div;
 }
 
-// A history entry -> an OpenAI message with text and image_url parts, in order.
+// A history entry -> an OpenAI message with text, image_url and video_url parts, in order.
 function toApiMessage(entry) {
   if (entry.role !== "user") return {role: entry.role, content: entry.content};
   const parts = [];
   let last = 0;
-  for (const match of entry.content.matchAll(IMG_TAG)) {
-    const text = entry.content.slice(last, match.index).trim();
+  for (const tag of mediaTags(entry.content)) {
+    const text = entry.content.slice(last, tag.index).trim();
     if (text) parts.push({type: "text", text});
-    parts.push({type: "image_url", image_url: {url: match[1]}});
-    last = match.index + match[0].length;
+    const type = tag.kind + "_url";
+    parts.push({type, [type]: {url: tag.src}});
+    last = tag.index + tag.length;
   }
   const rest = entry.content.slice(last).trim();
   if (rest) parts.push({type: "text", text: rest});
@@ -86,11 +108,29 @@ function toJpegDataUrl(file) {
   });
 }
 
+// A video file -> a data URL of its bytes as they are (the server samples its frames).
+function toDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(new Error(file.name + " could not be read"));
+    reader.readAsDataURL(file);
+  });
+}
+
+const MAX_VIDEO_MB = 20;  // a short clip; the server has its own limits (and answers 413 over them)
+
 async function attach(files) {
   for (const file of files) {
-    if (!file.type.startsWith("image/")) { showError(file.name + " is not an image."); continue; }
     try {
-      pending.push(await toJpegDataUrl(file));
+      if (file.type.startsWith("image/")) {
+        pending.push({kind: "image", src: await toJpegDataUrl(file), name: file.name});
+      } else if (file.type.startsWith("video/")) {
+        if (file.size > MAX_VIDEO_MB * 2 ** 20) { showError(file.name + " is over " + MAX_VIDEO_MB + " MB; attach a shorter clip."); continue; }
+        pending.push({kind: "video", src: await toDataUrl(file), name: file.name});
+      } else {
+        showError(file.name + " is not an image or a video.");
+      }
     } catch (e) {
       showError(e.message);
     }
@@ -101,18 +141,26 @@ async function attach(files) {
 function renderPending() {
   const box = $("attachments");
   box.replaceChildren();
-  pending.forEach((src, i) => {
+  pending.forEach((item, i) => {
     const wrap = document.createElement("div");
-    wrap.className = "preview";
-    const img = document.createElement("img");
-    img.src = src;
-    img.alt = "image to send";
+    wrap.className = "preview " + item.kind;
+    wrap.title = item.name || "";
+    const media = mediaElement(item.kind, item.src);
+    media.controls = false;
+    if (item.kind === "image") media.alt = "image to send";
     const remove = document.createElement("button");
     remove.type = "button";
     remove.textContent = "×";
     remove.title = "Remove";
     remove.onclick = () => { pending.splice(i, 1); renderPending(); };
-    wrap.append(img, remove);
+    wrap.append(media);
+    if (item.kind === "video") {
+      const name = document.createElement("span");
+      name.className = "name";
+      name.textContent = item.name || "video";
+      wrap.append(name);
+    }
+    wrap.append(remove);
     box.append(wrap);
   });
 }
@@ -130,9 +178,11 @@ async function send() {
   const text = $("message").value.trim();
   if (busy || (!text && !pending.length)) return;
   showError("");
-  const content = pending.map((src) => `<img src="${src}">`).join("") + (pending.length && text ? "\n" : "") + text;
+  const tags = pending.map((item) => item.kind === "image" ? `<img src="${item.src}">` : `<video src="${item.src}">`);
+  const content = tags.join("") + (pending.length && text ? "\n" : "") + text;
+  const sent = pending;
   chatHistory.push({role: "user", content});
-  addBubble("user", content);
+  const userBubble = addBubble("user", content);
   $("message").value = "";
   pending = [];
   renderPending();
@@ -181,8 +231,14 @@ async function send() {
     }
     chatHistory.push({role: "assistant", content: answer.trimStart()});
   } catch (e) {
-    chatHistory.pop();  // drop the unanswered turn, so the next message starts from a consistent history
+    // Drop the unanswered turn, so the next message starts from a consistent history, and give its
+    // text and attachments back to the composer to fix (e.g. remove a video the model cannot take).
+    chatHistory.pop();
     bubble.remove();
+    userBubble.remove();
+    if (!$("message").value) $("message").value = text;
+    pending = sent.concat(pending);
+    renderPending();
     showError("Error: " + e.message);
   } finally {
     bubble.classList.remove("streaming");

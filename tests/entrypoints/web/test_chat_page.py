@@ -1,14 +1,18 @@
 """The web chat page in headless Chromium (Playwright driving the system `chromium`): upload an
-image, ask the bundled model about it, see the streamed answer and the image in the history."""
+image, ask the bundled model about it, see the streamed answer and the image in the history; upload
+a short clip to a tiny Qwen2-VL and see the answer the server gives the same request sent directly;
+a video the model cannot take is a 400 shown in the page, and the conversation goes on."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 
 from examples import make_example_images
+from tessera.testing import video_bytes
 from tessera.testing.server import API_KEY
 from tools import demo_data
 
@@ -35,13 +39,13 @@ def page():
             browser.close()
 
 
-def open_with_key(page, url: str) -> None:
+def open_with_key(page, url: str, model: str = "demo") -> None:
     """Load the page and enter the server's API key in the settings, as a user would."""
     page.goto(url + "/")
     page.click("#settings summary")
     page.fill("#api-key", API_KEY)
     page.dispatch_event("#api-key", "change")
-    page.wait_for_selector("#model-name:has-text('demo')")
+    page.wait_for_selector(f"#model-name:has-text('{model}')")
 
 
 def test_upload_ask_and_see_the_streamed_answer(server, page, tmp_path):
@@ -88,3 +92,111 @@ def test_errors_are_shown_in_the_page(server, page, tmp_path):
     page.wait_for_selector("#error:not([hidden])")
     assert "at most 2 per prompt" in page.inner_text("#error")
     assert page.locator(".message.assistant").count() == 0  # the failed turn is not left in the history
+
+
+# ---- video clips ------------------------------------------------------------------------------------------------
+
+CLIP = video_bytes(num_frames=4, width=32, height=32, fps=4)
+QUESTION, MAX_TOKENS = "What happens in the video?", 8
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    path = tmp_path_factory.mktemp("clips") / "shapes.mp4"
+    path.write_bytes(CLIP)
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen_server(tmp_path_factory):
+    """A server (API key required) over a tiny Qwen2-VL, which takes videos."""
+    from tessera.engine.async_engine import AsyncEngine
+    from tessera.engine.llm_engine import LLMEngine
+    from tessera.entrypoints.openai.api_server import ServerThread, build_app
+    from tessera.multimodal.media import MediaPolicy
+    from tessera.testing.qwen_vl import build_tiny_qwen2_vl
+
+    folder = build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl_page"))
+    engine = AsyncEngine(LLMEngine.from_options(str(folder), kv_cache_memory="16MiB"))
+    try:
+        with ServerThread(build_app(engine, model_name="qwen", api_key=API_KEY, media_policy=MediaPolicy())) as url:
+            yield url
+    finally:
+        engine.shutdown()
+
+
+def direct_answer(url: str, content: list) -> str:
+    """What the server answers the request the page sends, sent directly (not streamed)."""
+    body = {"model": "qwen", "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+            "temperature": 0}  # fmt: skip
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_upload_a_clip_and_see_the_servers_answer(qwen_server, page, clip):
+    import base64
+
+    open_with_key(page, qwen_server, "qwen")
+    page.fill("#max-tokens", str(MAX_TOKENS))
+    page.set_input_files("#file-input", str(clip))
+    page.wait_for_selector("#attachments .preview video")  # previewed, with its name, before sending
+    assert page.inner_text("#attachments .preview .name") == "shapes.mp4"
+    page.fill("#message", QUESTION)
+    page.click("#send")
+    page.wait_for_selector(".message.assistant:not(.streaming)")
+    assert page.is_hidden("#error"), page.inner_text("#error")
+
+    # the page sent the clip's bytes as they are, as a video_url data URL part before the text
+    url = "data:video/mp4;base64," + base64.b64encode(CLIP).decode()
+    expected = direct_answer(qwen_server, [{"type": "video_url", "video_url": {"url": url}},
+                                           {"type": "text", "text": QUESTION}])  # fmt: skip
+    assert expected.strip()
+    assert page.locator(".message.assistant").last.inner_text().strip() == expected.strip()
+    user = page.locator(".message.user").last
+    assert user.locator("video").get_attribute("src") == url  # the clip stays in the history
+    assert user.inner_text().strip() == QUESTION
+    assert page.locator("#attachments .preview").count() == 0
+
+    # an image in the next turn still works: the server's answer for the whole conversation
+    page.set_input_files("#file-input", str(IMAGE))
+    page.wait_for_selector("#attachments .preview img")
+    image_url = page.locator("#attachments .preview img").get_attribute("src")
+    page.fill("#message", "And this?")
+    page.click("#send")
+    page.wait_for_function("document.querySelectorAll('.message.assistant:not(.streaming)').length === 2")
+    first = page.locator(".message.assistant").first.inner_text().strip()
+    body = {"model": "qwen", "max_tokens": MAX_TOKENS, "temperature": 0, "messages": [
+        {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                     {"type": "text", "text": QUESTION}]},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url}},
+                                     {"type": "text", "text": "And this?"}]}]}  # fmt: skip
+    response = httpx.post(qwen_server + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert response.status_code == 200, response.text
+    second = response.json()["choices"][0]["message"]["content"]
+    assert page.locator(".message.assistant").last.inner_text().strip() == second.strip()
+
+
+def test_a_video_the_model_cannot_take_is_shown_and_the_chat_goes_on(server, page, clip):
+    open_with_key(page, server[0])  # the demo model takes images only
+    page.set_input_files("#file-input", str(clip))
+    page.wait_for_selector("#attachments .preview video")
+    page.fill("#message", "Describe the image.")
+    page.click("#send")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "does not support video" in page.inner_text("#error")
+    # the failed turn is gone, its text and clip are back in the composer to fix
+    assert page.locator(".message").count() == 0
+    assert page.input_value("#message") == "Describe the image."
+    assert page.locator("#attachments .preview video").count() == 1
+
+    page.click("#attachments .preview.video button")  # remove the clip, attach an image instead
+    page.set_input_files("#file-input", str(IMAGE))
+    page.wait_for_selector("#attachments .preview img")
+    page.click("#send")
+    page.wait_for_selector(".message.assistant:not(.streaming)")
+    assert page.locator(".message.assistant").last.inner_text().strip() == CAPTION
+    assert page.is_hidden("#error") and page.locator("#attachments .preview").count() == 0
