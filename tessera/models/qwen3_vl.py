@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import torch
-from transformers import Qwen3VLConfig, Qwen3VLProcessor
+from transformers import BatchFeature, Qwen3VLConfig, Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata
 
+from tessera.errors import InputError
 from tessera.models.causal_lm import CausalLM
 from tessera.models.interfaces import MultiModalEmbeddings
 from tessera.models.mrope_positions import VisionGrid, mrope_input_positions
@@ -38,6 +39,7 @@ from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalKwargs
 from tessera.multimodal.parse import MultiModalDataItems, VideoProcessorItems, bare_video_metadata
 from tessera.multimodal.processing import PromptReplacement, PromptUpdate, PromptUpdateDetails
+from tessera.multimodal.video import VideoFrames
 
 UNKNOWN_FPS = 24  # what transformers assumes for a video whose frame rate it is not told
 
@@ -81,10 +83,32 @@ def frame_timestamps(frames_indices: Sequence[int], fps: Optional[float], tempor
 
 
 class Qwen3VLDummyInputsBuilder(Qwen2VLDummyInputsBuilder):
-    pass
+    def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int]):
+        """Qwen2-VL's, the videos with a frame rate (HF's default sampling rate, 2 fps) so that their
+        timestamps need no guess."""
+        data = dict(super().get_dummy_mm_data(seq_len, mm_counts))
+        fps = 2.0
+        data["video"] = [
+            VideoFrames(video, fps, len(video) / fps, len(video), tuple(range(len(video))))
+            for video in data.get("video", [])
+        ]
+        return {modality: items for modality, items in data.items() if len(items)}
 
 
 class Qwen3VLMultiModalProcessor(Qwen2VLMultiModalProcessor):
+    def _call_hf_processor(
+        self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object]
+    ) -> BatchFeature:
+        """Videos shorter than one temporal patch are refused by name (the HF processor cannot size them)."""
+        temporal = self.info.get_hf_processor().video_processor.temporal_patch_size
+        for video in mm_data.get("videos") or []:
+            if len(video) < temporal:
+                raise InputError(
+                    f"Qwen3-VL takes videos of at least {temporal} frames; got one of {len(video)}. "
+                    "Send a longer clip or sample more frames (num_frames)."
+                )
+        return super()._call_hf_processor(prompt, mm_data, mm_kwargs)
+
     def _video_metadata(
         self, videos: VideoProcessorItems, item_idx: int, hf_processor_mm_kwargs: Mapping[str, object]
     ) -> VideoMetadata:

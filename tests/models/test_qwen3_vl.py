@@ -206,3 +206,31 @@ def test_greedy_tokens_match_hf_alone_and_batched(qwen3_vl, clip, options):
 
 def tokens(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_chat_with_a_clip_gets_hf_answer_with_its_timestamps(qwen3_vl, tmp_path):
+    """A clip file through LLM.chat: sampled to 6 of its 24 frames, the prompt's timestamps come from
+    the clip's own frame rate, and the answer is HF's for those frames with that metadata."""
+    folder, hf_model, hf_processor, _, _, _ = qwen3_vl
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(video_bytes(num_frames=24, width=32, height=32, fps=8))
+    decoded = decode_video(path.read_bytes(), num_frames=6)
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": str(path)}},
+                                             {"type": "text", "text": "What happens?"}]}]  # fmt: skip
+    hf_messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    text = hf_processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    inputs = hf_inputs(hf_processor, text, {"video": [decoded]})
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="4MiB")
+    (output,) = llm.chat(messages, GREEDY, use_tqdm=False, media_io_kwargs={"video": {"num_frames": 6}})
+    assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert "<2.6 seconds>" in hf_processor.tokenizer.decode(output.prompt_token_ids)  # frames 18 and 23 at 8 fps
+    assert output.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_a_video_shorter_than_a_temporal_patch_is_refused_clearly(qwen3_vl):
+    llm = LLM(str(qwen3_vl[0]), device="cpu", kv_cache_memory="4MiB")
+    with pytest.raises(ValueError, match="at least 2 frames"):
+        llm.generate({"prompt": VIDEO, "multi_modal_data": {"video": [random_video(1, 32, 32)]}}, GREEDY)
+    assert tokens(llm, [TEXT]) and llm.engine.scheduler.has_unfinished_requests() is False
