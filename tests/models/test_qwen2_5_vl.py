@@ -1,6 +1,7 @@
 """Qwen2.5-VL against Hugging Face transformers on a tiny checkpoint (fp32): the processor's outputs
 (second_per_grid_ts included), the window-attention vision tower, prefill logits, M-RoPE positions with
-the video time interval, and greedy tokens alone, batched and with chunked prefill."""
+the video time interval, and greedy tokens alone, batched, with chunked prefill, prefix caching and
+preemption."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.models.loader import load_model
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.testing import random_images
+from tessera.multimodal.video import decode_video
+from tessera.testing import random_images, video_bytes
 from tessera.testing.generation import greedy_logprobs
 from tessera.testing.qwen_vl import build_tiny_qwen2_5_vl
 
@@ -79,6 +81,18 @@ def test_processor_matches_hf(qwen2_5_vl, cache_gb):
         assert torch.stack(seconds).tolist() == hf["second_per_grid_ts"].tolist()
 
 
+def test_a_decoded_clip_is_placed_in_time_by_its_frame_rate(qwen2_5_vl):
+    """6 of a 24-frame clip's frames at 8 fps: 2 frames a second were kept, so a grid frame (2 frames)
+    spans 1 second, as HF's processor computes it from the same metadata."""
+    folder, _, hf_processor, _, _, _ = qwen2_5_vl
+    clip = decode_video(video_bytes(num_frames=24, width=32, height=32, fps=8), num_frames=6)
+    out = MULTIMODAL_REGISTRY.create_processor(folder).apply(VIDEO, {"video": [clip]})
+    hf = hf_processor(text=VIDEO, videos=[clip.frames], video_metadata=[clip.metadata], do_sample_frames=False,
+                      return_tensors="pt")  # fmt: skip
+    (item,) = out["mm_kwargs"].get_items("video")
+    assert [item["second_per_grid_ts"].data.item()] == hf["second_per_grid_ts"].tolist() == [1.0]
+
+
 def test_vision_tower_matches_hf(qwen2_5_vl):
     folder, hf_model, hf_processor, _, _, _ = qwen2_5_vl
     model = load_model(ModelConfig(str(folder), device="cpu"))
@@ -132,15 +146,28 @@ def test_mrope_positions_match_hf(qwen2_5_vl):
     assert [p - temporal[0] for p in temporal] == [0, 2, 4]  # 3 grid frames, 25 tokens/s * 2 frames / 24 fps apart
 
 
-@pytest.mark.parametrize("options", ["default", "chunked-prefill"])
+@pytest.mark.parametrize("options", ["default", "chunked-prefill", "prefix-caching", "preemption"])
 def test_greedy_tokens_match_hf(qwen2_5_vl, options):
     folder, _, _, _, _, expected = qwen2_5_vl
-    # 5-token chunks: the 6-token image and the 27-token video are cut between chunks
-    kwargs = {"default": {}, "chunked-prefill": {"max_num_batched_tokens": 5}}[options]
-    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory="4MiB", enable_prefix_caching=False, **kwargs)
+    kwargs = {
+        "default": {"enable_prefix_caching": False},
+        # 5-token chunks: the 6-token image and the 27-token video are cut between chunks
+        "chunked-prefill": {"max_num_batched_tokens": 5, "enable_prefix_caching": False},
+        "prefix-caching": {},
+        # 24 blocks of 4 tokens (2 layers x K and V x 2 heads x 8 dims x 4 bytes = 256 bytes a token): the
+        # mixed prompt (70 tokens, 18 blocks) and the text one (24 tokens, 6 blocks) start together, and the
+        # mixed one needs a 19th block two tokens later
+        "preemption": {"kv_cache_memory": 24 * 4 * 256, "enable_prefix_caching": False},
+    }[options]
+    llm = LLM(str(folder), device="cpu", block_size=4, **{"kv_cache_memory": "4MiB", **kwargs})
     request = {"prompt": MIXED, "multi_modal_data": mixed_data()}
     assert tokens(llm, [request]) == [expected]
+    hits = llm.engine.block_manager.prefix_hits
     assert tokens(llm, [request, TEXT, request])[::2] == [expected, expected]  # batched
+    if options == "prefix-caching":
+        assert llm.engine.block_manager.prefix_hits > hits
+    if options == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
 
 
 def tokens(llm, prompts):
