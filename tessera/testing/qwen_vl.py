@@ -9,7 +9,9 @@ special tokens (<|im_start|>, <|im_end|>, <|vision_start|>, <|vision_end|>, <|im
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -137,3 +139,22 @@ def build_tiny_qwen3_vl(folder, *, seed: int = 0) -> Path:
     return _save(
         Path(folder), Qwen3VLForConditionalGeneration, config, Qwen3VLProcessor, tokenizer, seed, video_processor
     )
+
+
+@dataclass(frozen=True)
+class MMFeature:
+    """One item as the engine hands it to `get_mrope_input_positions` (vLLM's MultiModalFeatureSpec fields)."""
+
+    modality: str
+    data: Any
+    mm_position: Any
+
+
+def mm_features(processed) -> list[MMFeature]:
+    """The items of a processor output (MultiModalInputs), videos before images: M-RoPE positions must
+    follow the placeholders, whatever order the items come in."""
+    return [
+        MMFeature(modality, item, placeholder)
+        for modality in sorted(processed["mm_placeholders"], reverse=True)
+        for item, placeholder in zip(processed["mm_kwargs"].get_items(modality), processed["mm_placeholders"][modality])
+    ]

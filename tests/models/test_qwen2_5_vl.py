@@ -18,7 +18,7 @@ from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.video import decode_video
 from tessera.testing import random_images, video_bytes
 from tessera.testing.generation import greedy_logprobs
-from tessera.testing.qwen_vl import build_tiny_qwen2_5_vl
+from tessera.testing.qwen_vl import build_tiny_qwen2_5_vl, mm_features
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -129,16 +129,7 @@ def test_mrope_positions_match_hf(qwen2_5_vl):
     )  # fmt: skip
     out = MULTIMODAL_REGISTRY.create_processor(folder).apply(MIXED, mixed_data())
 
-    class Feature:  # what the engine passes: vLLM's MultiModalFeatureSpec fields
-        def __init__(self, modality, item, placeholder):
-            self.modality, self.data, self.mm_position = modality, item, placeholder
-
-    features = [
-        Feature(modality, item, placeholder)
-        for modality in ("video", "image")
-        for item, placeholder in zip(out["mm_kwargs"].get_items(modality), out["mm_placeholders"][modality])
-    ]
-    positions, delta = model.get_mrope_input_positions(out["prompt_token_ids"], features)
+    positions, delta = model.get_mrope_input_positions(out["prompt_token_ids"], mm_features(out))
     assert positions.tolist() == expected[:, 0].tolist()
     assert delta == int(expected_delta)
     video = out["mm_placeholders"]["video"][0]

@@ -17,7 +17,7 @@ from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.video import decode_video
 from tessera.testing import random_images, video_bytes
 from tessera.testing.generation import greedy_logprobs
-from tessera.testing.qwen_vl import build_tiny_qwen2_vl
+from tessera.testing.qwen_vl import build_tiny_qwen2_vl, mm_features
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPTS = [  # (prompt, image sizes (width, height))
@@ -126,12 +126,7 @@ def test_mrope_positions_match_hf(qwen2_vl):
     )  # fmt: skip
     out = processor.apply(prompt, {"image": images})
 
-    class Feature:  # what the engine passes: vLLM's MultiModalFeatureSpec fields
-        def __init__(self, item, placeholder):
-            self.modality, self.data, self.mm_position = "image", item, placeholder
-
-    features = [Feature(*pair) for pair in zip(out["mm_kwargs"].get_items("image"), out["mm_placeholders"]["image"])]
-    positions, delta = model.get_mrope_input_positions(out["prompt_token_ids"], features)
+    positions, delta = model.get_mrope_input_positions(out["prompt_token_ids"], mm_features(out))
     assert positions.tolist() == expected[:, 0].tolist()
     assert delta == int(expected_delta)
 
@@ -272,16 +267,7 @@ def test_mixed_mrope_positions_match_hf(qwen2_vl, clip, hf_mixed):
     )  # fmt: skip
     out = MULTIMODAL_REGISTRY.create_processor(folder).apply(MIXED, mixed_data(clip))
 
-    class Feature:  # what the engine passes: vLLM's MultiModalFeatureSpec fields
-        def __init__(self, modality, item, placeholder):
-            self.modality, self.data, self.mm_position = modality, item, placeholder
-
-    features = [
-        Feature(modality, item, placeholder)
-        for modality in ("video", "image")  # any order: the positions follow the placeholders
-        for item, placeholder in zip(out["mm_kwargs"].get_items(modality), out["mm_placeholders"][modality])
-    ]
-    positions, delta = model.get_mrope_input_positions(out["prompt_token_ids"], features)
+    positions, delta = model.get_mrope_input_positions(out["prompt_token_ids"], mm_features(out))
     assert positions.tolist() == expected[:, 0].tolist()
     assert delta == int(expected_delta)
 
