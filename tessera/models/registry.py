@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 # Built-in architectures, imported on first use so that importing tessera stays cheap.
 _BUILTIN_MODELS = {
     "LlavaForConditionalGeneration": "tessera.models.llava:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": "tessera.models.llava_next:LlavaNextForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration": "tessera.models.llava_onevision:LlavaOnevisionForConditionalGeneration",
     "Idefics3ForConditionalGeneration": "tessera.models.idefics3:Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration": "tessera.models.smolvlm:SmolVLMForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
