@@ -1,0 +1,92 @@
+"""The tiling VLMs (LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM) behind the OpenAI-compatible
+server, on tiny checkpoints: the official `openai` client sends two images in one message and gets HF
+`generate`'s greedy answer for the same chat template and images, and `/tokenize` gives the HF
+processor's tokens for one image of each size of a table (tiny, square, very wide, very tall, larger
+than the largest grid)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from tessera.engine.async_engine import AsyncEngine
+from tessera.engine.llm_engine import LLMEngine
+from tessera.entrypoints.openai.api_server import build_app
+from tessera.entrypoints.openai.http_server import ServerThread
+from tessera.multimodal.media import MediaPolicy
+from tessera.testing import random_images
+from tessera.testing.idefics3 import build_tiny_idefics3, build_tiny_smolvlm
+from tessera.testing.llava_next import build_tiny_llava_next, build_tiny_llava_onevision
+
+BUILDERS = {
+    "llava_next": build_tiny_llava_next,
+    "llava_onevision": build_tiny_llava_onevision,
+    "idefics3": build_tiny_idefics3,
+    "smolvlm": build_tiny_smolvlm,
+}
+QUESTION, MAX_TOKENS = "Compare the two pictures.", 8
+TWO_IMAGES = [(60, 40), (30, 90)]  # (width, height)
+SIZES = [(7, 9), (64, 64), (200, 30), (30, 200), (500, 400)]
+
+
+def data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def messages(images, question: str = QUESTION) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
+
+
+def hf_text(processor, num_images: int, question: str = QUESTION) -> str:
+    content = [*({"type": "image"} for _ in range(num_images)), {"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
+def served(request, tmp_path_factory):
+    """(model folder, server URL) for each model."""
+    folder = BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
+    engine = AsyncEngine(LLMEngine.from_options(str(folder), kv_cache_memory="16MiB", limit_mm_per_prompt={"image": 2}))
+    app = build_app(engine, model_name="tiny", media_policy=MediaPolicy())
+    try:
+        with ServerThread(app) as url:
+            yield folder, url
+    finally:
+        engine.shutdown()
+
+
+def test_two_images_in_one_message_get_hf_answer(served):
+    from openai import OpenAI
+
+    folder, url = served
+    images = random_images(TWO_IMAGES, seed=3)
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model="tiny", messages=messages(images), max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    processor = AutoProcessor.from_pretrained(folder)
+    inputs = processor(text=hf_text(processor, 2), images=images, return_tensors="pt")
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+    expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_tokenize_counts_as_hf(served, size):
+    folder, url = served
+    (image,) = random_images([size], seed=1)
+    counted = httpx.post(url + "/tokenize", json={"messages": messages([image], "What is it?")}, timeout=60).json()
+    processor = AutoProcessor.from_pretrained(folder)
+    hf_ids = processor(text=hf_text(processor, 1, "What is it?"), images=[image])["input_ids"][0]
+    assert counted["tokens"] == list(hf_ids) and counted["count"] == len(hf_ids)
