@@ -50,22 +50,28 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
     def get_supported_mm_limits(self) -> Mapping[str, Optional[int]]:
         return {"image": None, "video": None}
 
+    def _pixel_bounds(self, sub_processor: Any) -> tuple[int, int]:
+        """(min_pixels, max_pixels) an image or video processor resizes to: the model's
+        mm_processor_kwargs first (`min_pixels` / `max_pixels` / `size` reach HF's processors at call
+        time, so the processor object does not show them), then the processor's own size."""
+        kwargs = self.ctx.get_merged_mm_kwargs({})
+        size = kwargs.get("size") or getattr(sub_processor, "size", None) or {}
+        get = size.get if isinstance(size, Mapping) else lambda key: getattr(size, key, None)
+        min_pixels = kwargs.get("min_pixels") or get("shortest_edge") or getattr(sub_processor, "min_pixels", None)
+        max_pixels = kwargs.get("max_pixels") or get("longest_edge") or getattr(sub_processor, "max_pixels", None)
+        return min_pixels, max_pixels
+
     def _resize_params(self) -> tuple[int, int, int, int]:
         """(patch_size, merge_size, min_pixels, max_pixels) of the image processor."""
         image_processor = self.get_hf_processor().image_processor
-        size = getattr(image_processor, "size", None) or {}
-        min_pixels = size.get("shortest_edge") or image_processor.min_pixels
-        max_pixels = size.get("longest_edge") or image_processor.max_pixels
-        return image_processor.patch_size, image_processor.merge_size, min_pixels, max_pixels
+        return image_processor.patch_size, image_processor.merge_size, *self._pixel_bounds(image_processor)
 
     def _video_params(self) -> tuple[int, int, int, int, int]:
         """(patch_size, merge_size, temporal_patch_size, min_pixels, max_pixels) of the video processor."""
         video_processor = self.get_hf_processor().video_processor
-        size = getattr(video_processor, "size", None) or {}
-        get = size.get if isinstance(size, Mapping) else lambda key: getattr(size, key, None)
         return (
             video_processor.patch_size, video_processor.merge_size, video_processor.temporal_patch_size,
-            get("shortest_edge"), get("longest_edge"),
+            *self._pixel_bounds(video_processor),
         )  # fmt: skip
 
     def get_num_video_tokens(self, *, image_width: int, image_height: int, num_frames: int) -> int:

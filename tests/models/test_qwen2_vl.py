@@ -282,3 +282,14 @@ def test_mixed_greedy_tokens_match_hf(qwen2_vl, clip, hf_mixed, options):
     request = {"prompt": MIXED, "multi_modal_data": mixed_data(clip)}
     assert tokens(llm, [request]) == [expected]
     assert tokens(llm, [request, PROMPTS[0][0]])[0] == expected  # batched with a text prompt
+
+
+def test_model_level_max_pixels_bounds_the_largest_image(qwen2_vl):
+    """mm_processor_kwargs={"max_pixels": ...} reaches HF's processor at call time; the profile's
+    largest image (and so the memory the engine plans for) follows it."""
+    folder, _, hf_processor, _ = qwen2_vl
+    info = MULTIMODAL_REGISTRY.create_processor(folder, mm_processor_kwargs={"max_pixels": 16 * 16 * 5}).info
+    width, height = info.get_image_size_with_most_features()
+    image = random_images([(width, height)])
+    grid = hf_processor(text=IMAGE, images=image, max_pixels=16 * 16 * 5, return_tensors="pt")["image_grid_thw"]
+    assert info.get_max_image_tokens() == int(grid.prod()) // 4 == 5  # max_pixels / (16 * 16): 5 merged tokens
