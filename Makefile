@@ -42,6 +42,7 @@ bench-engine: $(STAMP)
 	$(PY) -m benchmarks.bench_throughput --dtype bfloat16 --hf-batches 8 16
 	$(PY) -m benchmarks.bench_prefix_cache
 	$(PY) -m benchmarks.bench_decode_roofline
+	$(PY) -m benchmarks.bench_qwen_vl
 
 bench-serve: $(STAMP)
 	$(PY) -m benchmarks.bench_serve

@@ -16,19 +16,17 @@ import gc
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 from benchmarks.bench_model import bench_model
 from tessera import LLM, SamplingParams
+from tessera.testing import random_images
 
 NUM_REQUESTS, OUTPUT_TOKENS = 16, 128
 
 
 def workload():
-    rng = np.random.default_rng(0)
-    images = [Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)) for _ in range(NUM_REQUESTS)]
+    images = random_images([(640, 480)] * NUM_REQUESTS)
     prompts = [f"USER: <image>\nWhat is in picture {i}? ASSISTANT:" for i in range(NUM_REQUESTS)]
     return prompts, images
 
@@ -87,22 +85,30 @@ def run_tessera(folder: Path, dtype: str) -> tuple[float, int]:
     return elapsed, len(outputs[0].prompt_token_ids)
 
 
+def time_hf_generate(model, processor, prompts, images, dtype: torch.dtype, batch_size: int, output_tokens: int):
+    """HF `generate` over the requests in batches of `batch_size` (left padding, greedy, exactly
+    `output_tokens` new tokens each): (seconds, the new token ids of each request)."""
+    processor.tokenizer.padding_side = "left"
+    new_tokens: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        inputs = processor(text=prompts[i : i + batch_size], images=images[i : i + batch_size], padding=True,
+                           return_tensors="pt")  # fmt: skip
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=output_tokens, min_new_tokens=output_tokens, do_sample=False)
+        assert out.shape[1] - inputs["input_ids"].shape[1] == output_tokens
+        new_tokens += out[:, inputs["input_ids"].shape[1] :].tolist()
+    return time.perf_counter() - start, new_tokens
+
+
 def run_hf(folder: Path, dtype: torch.dtype, batch_size: int) -> float:
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     model = LlavaForConditionalGeneration.from_pretrained(folder, torch_dtype=dtype).eval()
     processor = AutoProcessor.from_pretrained(folder)
-    processor.tokenizer.padding_side = "left"
     prompts, images = workload()
-    start = time.perf_counter()
-    for i in range(0, NUM_REQUESTS, batch_size):
-        inputs = processor(text=prompts[i : i + batch_size], images=images[i : i + batch_size], padding=True,
-                           return_tensors="pt")  # fmt: skip
-        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-        with torch.inference_mode():
-            out = model.generate(**inputs, max_new_tokens=OUTPUT_TOKENS, min_new_tokens=OUTPUT_TOKENS, do_sample=False)
-        assert out.shape[1] - inputs["input_ids"].shape[1] == OUTPUT_TOKENS
-    return time.perf_counter() - start
+    return time_hf_generate(model, processor, prompts, images, dtype, batch_size, OUTPUT_TOKENS)[0]
 
 
 def main() -> None:
