@@ -7,6 +7,7 @@ so `forward` returns the requested layers' outputs and skips the layers after th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +45,15 @@ class CLIPAttention(nn.Module):
         self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=True)
         self.out_proj = Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [N, L, hidden]; attn_mask: boolean, broadcast to [N, H, L, L] (True: attend), e.g. to
+        hide the padded patches of variable-size tiles (Idefics3)."""
         n, length, _ = x.shape
         q, k, v = (
             t.reshape(n, length, self.num_heads, self.head_dim).transpose(1, 2)
             for t in self.qkv_proj.split(self.qkv_proj(x))
         )  # [N, H, L, D]
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.head_dim**-0.5)
         return self.out_proj(out.transpose(1, 2).reshape(n, length, -1))
 
 
@@ -73,8 +76,8 @@ class CLIPEncoderLayer(nn.Module):
         self.mlp = CLIPMLP(config)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), attn_mask)
         return x + self.mlp(self.layer_norm2(x))
 
 

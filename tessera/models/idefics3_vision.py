@@ -3,7 +3,8 @@ variable size. A tile's real patches (`patch_attention_mask`, from the processor
 positions of a fixed num_patches_per_side**2 table, bucketed by their fractional coordinates, so a
 smaller tile stretches over the whole table; padded patches are masked out of attention.
 
-Module names mirror Hugging Face's, so checkpoints load without renaming (q/k/v fused on load).
+Module names mirror Hugging Face's, so checkpoints load without renaming (q/k/v fused on load); the
+encoder layers are CLIP's (the same modules and names), given the padding mask.
 """
 
 from __future__ import annotations
@@ -11,11 +12,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tessera.layers.activations import get_activation
-from tessera.layers.linear import Linear, MergedLinear
+from tessera.models.clip import CLIPEncoderLayer
 
 
 class Idefics3VisionEmbeddings(nn.Module):
@@ -50,53 +49,10 @@ class Idefics3VisionEmbeddings(nn.Module):
         return embeddings + self.position_embedding(position_ids)
 
 
-class Idefics3VisionAttention(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
-        self.qkv_proj = MergedLinear(hidden, {"q_proj": hidden, "k_proj": hidden, "v_proj": hidden}, bias=True)
-        self.out_proj = Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        n, length, _ = x.shape
-        q, k, v = (
-            t.reshape(n, length, self.num_heads, self.head_dim).transpose(1, 2)
-            for t in self.qkv_proj.split(self.qkv_proj(x))
-        )  # [N, H, L, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.head_dim**-0.5)
-        return self.out_proj(out.transpose(1, 2).reshape(n, length, -1))
-
-
-class Idefics3VisionMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.fc1 = Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = Linear(config.intermediate_size, config.hidden_size)
-        self.act = get_activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Idefics3EncoderLayer(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.self_attn = Idefics3VisionAttention(config)
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = Idefics3VisionMLP(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), attn_mask)
-        return x + self.mlp(self.layer_norm2(x))
-
-
 class Idefics3Encoder(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Idefics3EncoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(CLIPEncoderLayer(config) for _ in range(config.num_hidden_layers))
 
 
 class Idefics3VisionTransformer(nn.Module):

@@ -27,14 +27,14 @@ from transformers.image_processing_utils import select_best_resolution
 
 from tessera.models.clip import CLIPVisionModel
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
-from tessera.models.llava import LlavaMultiModalProjector
+from tessera.models.llava import LlavaMultiModalProcessor, LlavaMultiModalProjector
 from tessera.models.registry import ModelRegistry
 from tessera.models.siglip import SiglipVisionModel
 from tessera.models.utils import module_dtype_device
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
-from tessera.multimodal.parse import ImageEmbeddingItems, ImageProcessorItems, ImageSize, MultiModalDataItems
-from tessera.multimodal.processing import BaseMultiModalProcessor, BaseProcessingInfo, PromptReplacement, PromptUpdate
+from tessera.multimodal.inputs import MultiModalFieldConfig
+from tessera.multimodal.parse import ImageSize
+from tessera.multimodal.processing import BaseProcessingInfo
 from tessera.multimodal.profiling import BaseDummyInputsBuilder
 
 # ---- anyres arithmetic (HF's, on plain ints) ---------------------------------------------------------
@@ -181,7 +181,10 @@ def split_padded_tiles(processed: BatchFeature, grid_pinpoints: Sequence[Sequenc
     return processed
 
 
-class LlavaNextMultiModalProcessor(BaseMultiModalProcessor[LlavaNextProcessingInfo]):
+class LlavaNextMultiModalProcessor(LlavaMultiModalProcessor):
+    """LLaVA's prompt updates (its `image_token_index` repeated get_num_image_tokens times, or an
+    embedding's length); each image's own tiles and its original size."""
+
     def _call_hf_processor(
         self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object]
     ) -> BatchFeature:
@@ -192,29 +195,9 @@ class LlavaNextMultiModalProcessor(BaseMultiModalProcessor[LlavaNextProcessingIn
         self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]
     ) -> Mapping[str, MultiModalFieldConfig]:
         return dict(
-            pixel_values=MultiModalFieldConfig.batched("image"),
+            super()._get_mm_fields_config(hf_inputs, hf_processor_mm_kwargs),
             image_sizes=MultiModalFieldConfig.batched("image"),
-            image_embeds=MultiModalFieldConfig.batched("image"),
         )
-
-    def _get_prompt_updates(
-        self,
-        mm_items: MultiModalDataItems,
-        hf_processor_mm_kwargs: Mapping[str, object],
-        out_mm_kwargs: MultiModalKwargs,
-    ) -> Sequence[PromptUpdate]:
-        image_token_id = self.info.get_hf_config().image_token_index
-
-        def get_replacement(item_idx: int) -> list[int]:
-            images = mm_items.get_items("image", (ImageEmbeddingItems, ImageProcessorItems))
-            if isinstance(images, ImageEmbeddingItems):
-                num_image_tokens = images.get_feature_size(item_idx)
-            else:
-                size = images.get_image_size(item_idx)
-                num_image_tokens = self.info.get_num_image_tokens(image_width=size.width, image_height=size.height)
-            return [image_token_id] * num_image_tokens
-
-        return [PromptReplacement(modality="image", target=[image_token_id], replacement=get_replacement)]
 
 
 # ---- the model -----------------------------------------------------------------------------------------

@@ -27,24 +27,22 @@ from transformers import BatchFeature, LlavaOnevisionConfig, LlavaOnevisionProce
 from tessera.models.interfaces import MultiModalEmbeddings
 from tessera.models.llava_next import (
     LlavaNextForConditionalGeneration,
+    LlavaNextMultiModalProcessor,
     LlavaNextProcessingInfo,
     _as_list,
     best_resolution,
     max_patches_ratio,
-    split_padded_tiles,
     unpadded_shape,
 )
 from tessera.models.utils import module_dtype_device
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from tessera.multimodal.parse import (
-    ImageEmbeddingItems,
-    ImageProcessorItems,
     ImageSize,
     MultiModalDataItems,
     VideoProcessorItems,
 )
-from tessera.multimodal.processing import BaseMultiModalProcessor, PromptReplacement, PromptUpdate
+from tessera.multimodal.processing import PromptReplacement, PromptUpdate
 from tessera.multimodal.profiling import BaseDummyInputsBuilder
 
 MAX_FRAMES_PER_VIDEO = 8
@@ -138,7 +136,9 @@ class LlavaOnevisionDummyInputsBuilder(BaseDummyInputsBuilder[LlavaOnevisionProc
         return data
 
 
-class LlavaOnevisionMultiModalProcessor(BaseMultiModalProcessor[LlavaOnevisionProcessingInfo]):
+class LlavaOnevisionMultiModalProcessor(LlavaNextMultiModalProcessor):
+    """LLaVA-NeXT's images; videos as `video_token_index` repeated get_num_video_tokens times."""
+
     def _call_hf_processor(
         self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object]
     ) -> BatchFeature:
@@ -150,15 +150,13 @@ class LlavaOnevisionMultiModalProcessor(BaseMultiModalProcessor[LlavaOnevisionPr
         processed.pop("batch_num_images", None)
         if processed.get("pixel_values_videos") is not None:
             processed["pixel_values_videos"] = list(processed["pixel_values_videos"])
-        return split_padded_tiles(processed, self.info.get_grid_pinpoints())
+        return processed
 
     def _get_mm_fields_config(
         self, hf_inputs: BatchFeature, hf_processor_mm_kwargs: Mapping[str, object]
     ) -> Mapping[str, MultiModalFieldConfig]:
         return dict(
-            pixel_values=MultiModalFieldConfig.batched("image"),
-            image_sizes=MultiModalFieldConfig.batched("image"),
-            image_embeds=MultiModalFieldConfig.batched("image"),
+            super()._get_mm_fields_config(hf_inputs, hf_processor_mm_kwargs),
             pixel_values_videos=MultiModalFieldConfig.batched("video"),
         )
 
@@ -168,15 +166,7 @@ class LlavaOnevisionMultiModalProcessor(BaseMultiModalProcessor[LlavaOnevisionPr
         hf_processor_mm_kwargs: Mapping[str, object],
         out_mm_kwargs: MultiModalKwargs,
     ) -> Sequence[PromptUpdate]:
-        hf_config = self.info.get_hf_config()
-        image_token_id, video_token_id = hf_config.image_token_index, hf_config.video_token_index
-
-        def image_replacement(item_idx: int) -> list[int]:
-            images = mm_items.get_items("image", (ImageEmbeddingItems, ImageProcessorItems))
-            if isinstance(images, ImageEmbeddingItems):
-                return [image_token_id] * images.get_feature_size(item_idx)
-            size = images.get_image_size(item_idx)
-            return [image_token_id] * self.info.get_num_image_tokens(image_width=size.width, image_height=size.height)
+        video_token_id = self.info.get_hf_config().video_token_index
 
         def video_replacement(item_idx: int) -> list[int]:
             videos = mm_items.get_items("video", VideoProcessorItems)
@@ -187,7 +177,7 @@ class LlavaOnevisionMultiModalProcessor(BaseMultiModalProcessor[LlavaOnevisionPr
             return [video_token_id] * num_tokens
 
         return [
-            PromptReplacement(modality="image", target=[image_token_id], replacement=image_replacement),
+            *super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs),
             PromptReplacement(modality="video", target=[video_token_id], replacement=video_replacement),
         ]
 

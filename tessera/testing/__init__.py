@@ -8,7 +8,7 @@ from .checkpoints import (
     build_tiny_text_model,
 )
 from .gguf import build_tiny_gguf
-from .inputs import IMAGE_SIZES, LLAVA_PROMPTS, png_bytes, random_images
+from .inputs import IMAGE_SIZES, LLAVA_PROMPTS, png_bytes, random_images, random_video
 from .tokenizer import CHATML_TEMPLATE, build_tokenizer
 from .video import VIDEO_COLORS, video_bytes, video_frame
 
@@ -25,6 +25,7 @@ __all__ = [
     "build_tokenizer",
     "png_bytes",
     "random_images",
+    "random_video",
     "video_bytes",
     "video_frame",
 ]

@@ -1,4 +1,4 @@
-"""Inputs shared by tests and benchmarks: seeded random images, hand-built PNGs, LLaVA prompts."""
+"""Inputs shared by tests and benchmarks: seeded random images and videos, hand-built PNGs, LLaVA prompts."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ def random_images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Image.Ima
     """RGB noise images of the given (width, height) sizes, the same for the same seed."""
     rng = np.random.default_rng(seed)
     return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+
+
+def random_video(num_frames: int, width: int, height: int, seed: int = 0) -> np.ndarray:
+    """RGB noise frames, uint8 [num_frames, height, width, 3], the same for the same seed."""
+    return np.random.default_rng(seed).integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
 
 
 @functools.cache

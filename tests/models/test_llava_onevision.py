@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import io
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoProcessor, SiglipVisionConfig
@@ -21,17 +20,13 @@ from tessera.models.loader import load_model, load_tensors
 from tessera.models.siglip import SiglipVisionModel
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.video import decode_video
-from tessera.testing import random_images, video_bytes
+from tessera.testing import random_images, random_video, video_bytes
 from tessera.testing.generation import greedy_logprobs
 from tessera.testing.llava_next import build_tiny_llava_onevision
 
 
 def user(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def random_video(num_frames: int, width: int, height: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
 
 
 PROMPTS = [  # (prompt, image sizes (width, height), video (frames, width, height) or None)

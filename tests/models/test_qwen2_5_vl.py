@@ -5,7 +5,6 @@ preemption."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoProcessor
@@ -16,7 +15,7 @@ from tessera.config import ModelConfig
 from tessera.models.loader import load_model
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.video import decode_video
-from tessera.testing import random_images, video_bytes
+from tessera.testing import random_images, random_video, video_bytes
 from tessera.testing.generation import greedy_logprobs
 from tessera.testing.qwen_vl import build_tiny_qwen2_5_vl, mm_features
 
@@ -26,10 +25,6 @@ TEXT = "<|im_start|>user\nWhat is in the image?<|im_end|>\n<|im_start|>assistant
 MIXED = f"<|im_start|>user\n{IMAGE} and {VIDEO} Compare them.<|im_end|>\n<|im_start|>assistant\n"
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def random_video(num_frames: int, width: int, height: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
 
 
 def mixed_data():

@@ -4,7 +4,6 @@ ending inside images), prefix caching and preemption."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoProcessor
@@ -15,7 +14,7 @@ from tessera.config import ModelConfig
 from tessera.models.loader import load_model
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.video import decode_video
-from tessera.testing import random_images, video_bytes
+from tessera.testing import random_images, random_video, video_bytes
 from tessera.testing.generation import greedy_logprobs
 from tessera.testing.qwen_vl import build_tiny_qwen2_vl, mm_features
 
@@ -156,10 +155,6 @@ def test_greedy_tokens_match_hf_alone_and_batched(qwen2_vl, options):
 
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 MIXED = f"<|im_start|>user\n{IMAGE} and {VIDEO} Compare them.<|im_end|>\n<|im_start|>assistant\n"
-
-
-def random_video(num_frames: int, width: int, height: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ preemption."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoProcessor
@@ -16,7 +15,7 @@ from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.video import decode_video
-from tessera.testing import random_images, video_bytes
+from tessera.testing import random_images, random_video, video_bytes
 from tessera.testing.generation import greedy_logprobs
 from tessera.testing.idefics3 import build_tiny_smolvlm
 
@@ -26,10 +25,6 @@ VIDEO = "User: <video>What happens?<end_of_utterance>\nAssistant:"
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 CHUNK = 5
-
-
-def random_video(num_frames: int, width: int, height: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
 
 
 @pytest.fixture(scope="module")
