@@ -28,6 +28,20 @@ def parse_dtype(value: "str | torch.dtype", what: str = "dtype") -> torch.dtype:
     raise ValueError(f"Unsupported {what} {value!r}; use float32, bfloat16 or float16.")
 
 
+QUANTIZATION_METHODS = ("int8",)
+"""Weight quantization applied at load (`tessera.layers.quantization`): "int8" = int8 weights with a
+scale per output channel for the language model's linear layers."""
+
+
+def check_quantization(value: Optional[str]) -> Optional[str]:
+    """None (no quantization) or a name of QUANTIZATION_METHODS (any case); anything else raises."""
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
+        return None
+    if isinstance(value, str) and value.lower() in QUANTIZATION_METHODS:
+        return value.lower()
+    raise ValueError(f"Unsupported quantization {value!r}; supported: {', '.join(QUANTIZATION_METHODS)} (or None).")
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -105,6 +119,11 @@ class ModelConfig:
     """Dtype of the multimodal projector; None: the language model's."""
 
     projector_device: Optional[str] = None
+    quantization: Optional[str] = None
+    """Weight quantization at load, one of QUANTIZATION_METHODS ("int8": the language model's linear
+    layers, lm_head included, get int8 weights with a scale per output channel; the vision tower and
+    projector keep their dtype); None: the checkpoint's weights in `dtype`."""
+
     allow_pickle: bool = False
     """Load .bin/.pt weights (pickle, which can run code) when there are no .safetensors."""
 
@@ -131,6 +150,7 @@ class ModelConfig:
         if self.dtype == "auto":
             self.dtype = getattr(self.hf_config, "dtype", None) or torch.float32
         self.dtype = parse_dtype(self.dtype)
+        self.quantization = check_quantization(self.quantization)
         self.vision_dtype = parse_dtype(self.vision_dtype or self.dtype, "vision_dtype")
         self.projector_dtype = parse_dtype(self.projector_dtype or self.dtype, "projector_dtype")
         self.device = default_device() if self.device in (None, "auto") else self.device

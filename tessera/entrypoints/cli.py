@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from .. import DEMO_MODEL
+from ..config import QUANTIZATION_METHODS
 from ..gguf_file import find_gguf_file
 from ..multimodal.media import LOCAL_FILES, MediaPolicy, check_media_io_kwargs, load_image_url, load_video_url
 from ..sampling_params import SamplingParams
@@ -103,8 +104,11 @@ def _mm_processor_kwargs_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _mm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """LLM / engine options for --mm-processor-kwargs, --device and --dtype (those given)."""
-    options = {"mm_processor_kwargs": args.mm_processor_kwargs, "device": args.device, "dtype": args.dtype}
+    """LLM / engine options for --mm-processor-kwargs, --device, --dtype and --quantization (those given)."""
+    options = {
+        "mm_processor_kwargs": args.mm_processor_kwargs, "device": args.device, "dtype": args.dtype,
+        "quantization": args.quantization,
+    }  # fmt: skip
     return {key: value for key, value in options.items() if value is not None}
 
 
@@ -113,6 +117,8 @@ def _device_options(parser: argparse.ArgumentParser) -> None:
                         help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:1")  # fmt: skip
     parser.add_argument("--dtype", default=None, metavar="DTYPE",
                         help="float32, bfloat16 or float16 (default: auto, the model config's dtype)")  # fmt: skip
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                        help="quantize the language model's weights at load: int8 (per-channel)")  # fmt: skip
 
 
 def _pipeline_options(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,9 @@ packs its model's linears after loading (`pack_linears_for_cpu`); the model code
 Only dtypes this CPU can pack are packed (`cpu_kernels`: e.g. no bfloat16 on AVX2-only CPUs); the
 others, or all under `TESSERA_CPU_KERNELS=fallback`, keep their dense weight and run `F.linear`.
 
+A `Linear` quantized at load (`quantization.quantize_linears`) holds int8 `qweight` [out, in] and
+per-output-channel `qscale` buffers instead of its float weight, and runs `cpu_kernels.int8_linear`.
+
 `MergedLinear` fuses projections that read the same input (q/k/v, gate/up) into one matmul; the
 loader fills each shard from the checkpoint tensor named after it.
 """
@@ -18,13 +21,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_kernels import PACKED, kernel_mode, linear_kernel, pack_weight, packed_linear
+from .cpu_kernels import PACKED, int8_linear, kernel_mode, linear_kernel, pack_weight, packed_linear
 
 
 class Linear(nn.Linear):
     packed_weight: Optional[torch.Tensor] = None
+    int8_mm: bool = False
+    """Whether a quantized layer runs `aten._weight_int8pack_mm` (for few rows) or de-quantizes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("qweight", None)  # int8 [out, in] once quantized
+        self.register_buffer("qscale", None)  # [out], the weight's dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            out = int8_linear(flat, self.qweight, self.qscale, self.bias, self.int8_mm)
+            return out.view(*x.shape[:-1], out.shape[-1])
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])
@@ -63,6 +77,8 @@ def pack_linears_for_cpu(model: nn.Module, batch_size_hint: int = 16, mode: Opti
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not isinstance(module, Linear) or weight is None or weight.device.type != "cpu":
+            continue
+        if module.qweight is not None:  # int8 weight-only: its own kernels
             continue
         if linear_kernel(weight.dtype, mode) != PACKED:
             continue

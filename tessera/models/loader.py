@@ -19,6 +19,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..layers.linear import MergedLinear
 from ..layers.mrope import uses_mrope
+from ..layers.quantization import quantize_linears
 from .interfaces import supports_mrope
 from .registry import ModelRegistry
 
@@ -48,6 +49,8 @@ def load_model(model_config: ModelConfig, *, ignore_prefixes: tuple[str, ...] = 
     else:
         load_weights(model, model_config.model, allow_pickle=model_config.allow_pickle, ignore_prefixes=ignore_prefixes)
     place_parts(model, model_config)
+    if model_config.quantization is not None:  # the language model only: vision tower and projector keep their dtype
+        quantize_linears(model, model_config.quantization, skip=getattr(model, "multimodal_parts", {}).values())
     return model.eval()
 
 

@@ -231,3 +231,21 @@ def test_serve_takes_the_model_as_its_argument(tiny_gguf, monkeypatch, capsys):
     code, _ = run(["serve", str(tiny_gguf), "--model", str(tiny_gguf.parent)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and err[-1].startswith("tessera: error: Two models given")
+
+
+def test_quantization_flag_reaches_the_engine_on_every_command(tiny_llava_dir, monkeypatch, capsys):
+    from tessera.entrypoints.openai import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server, "serve", lambda model, **options: seen.update(options) or 0)
+    assert run(["serve", str(tiny_llava_dir), "--quantization", "int8"])[0] == 0
+    assert seen.get("quantization") == "int8" and "quantization" in api_server.ENGINE_OPTIONS
+    code, out = run(
+        ["generate", "Hello", "--model", str(tiny_llava_dir), "--max-tokens", "4", "--quantization", "int8"]
+    )
+    assert code == 0 and out.strip()
+    code, out = run(["chat", "--model", str(tiny_llava_dir), "--max-tokens", "4", "--quantization", "int8"], "Hi\n")
+    assert code == 0
+    with pytest.raises(SystemExit):
+        run(["generate", "Hello", "--model", str(tiny_llava_dir), "--quantization", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err

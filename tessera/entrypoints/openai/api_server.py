@@ -214,7 +214,8 @@ async def until_disconnected(raw: Request, work: Awaitable[T]) -> Optional[T]:
 
 # serve() options that configure the engine; the rest configure the app.
 ENGINE_OPTIONS = ("kv_cache_memory", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                  "multimodal_pipeline", "pipelines_dir", "pipeline_params", "mm_processor_kwargs")  # fmt: skip
+                  "multimodal_pipeline", "pipelines_dir", "pipeline_params", "mm_processor_kwargs",
+                  "quantization")  # fmt: skip
 
 
 def serve(
