@@ -27,15 +27,18 @@ from transformers.image_processing_utils import select_best_resolution
 
 from tessera.models.clip import CLIPVisionModel
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
-from tessera.models.llava import LlavaMultiModalProcessor, LlavaMultiModalProjector
+from tessera.models.llava import (
+    LlavaDummyInputsBuilder,
+    LlavaMultiModalProcessor,
+    LlavaMultiModalProjector,
+    LlavaProcessingInfo,
+)
 from tessera.models.registry import ModelRegistry
 from tessera.models.siglip import SiglipVisionModel
 from tessera.models.utils import module_dtype_device
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalFieldConfig
 from tessera.multimodal.parse import ImageSize
-from tessera.multimodal.processing import BaseProcessingInfo
-from tessera.multimodal.profiling import BaseDummyInputsBuilder
 
 # ---- anyres arithmetic (HF's, on plain ints) ---------------------------------------------------------
 
@@ -95,15 +98,14 @@ def build_vision_tower(vision_config: PretrainedConfig) -> nn.Module:
 # ---- processing ----------------------------------------------------------------------------------------
 
 
-class LlavaNextProcessingInfo(BaseProcessingInfo):
+class LlavaNextProcessingInfo(LlavaProcessingInfo):
+    """LLaVA's, with anyres token counts and the largest image among the grid pinpoints."""
+
     def get_hf_config(self) -> LlavaNextConfig:
         return self.ctx.get_hf_config(LlavaNextConfig)
 
     def get_hf_processor(self, **kwargs: object) -> LlavaNextProcessor:
         return self.ctx.get_hf_processor(LlavaNextProcessor, **kwargs)
-
-    def get_supported_mm_limits(self) -> Mapping[str, Optional[int]]:
-        return {"image": None}
 
     def get_tile_size(self) -> tuple[int, int]:
         """(height, width) of each tile the image processor outputs (its crop, else its size)."""
@@ -150,21 +152,8 @@ class LlavaNextProcessingInfo(BaseProcessingInfo):
         )
         return ImageSize(width=best[2], height=best[3])
 
-    def get_max_image_tokens(self) -> int:
-        width, height = self.get_image_size_with_most_features()
-        return self.get_num_image_tokens(image_width=width, image_height=height)
 
-    def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Mapping[str, int]:
-        return {"image": self.get_max_image_tokens()}
-
-
-class LlavaNextDummyInputsBuilder(BaseDummyInputsBuilder[LlavaNextProcessingInfo]):
-    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
-        return self.info.get_hf_processor().image_token * mm_counts.get("image", 0)
-
-    def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int]):
-        width, height = self.info.get_image_size_with_most_features()
-        return {"image": self._get_dummy_images(width=width, height=height, num_images=mm_counts.get("image", 0))}
+LlavaNextDummyInputsBuilder = LlavaDummyInputsBuilder  # black images of the size with the most features
 
 
 def split_padded_tiles(processed: BatchFeature, grid_pinpoints: Sequence[Sequence[int]]) -> BatchFeature:
