@@ -152,7 +152,7 @@ class FuyuForCausalLM(nn.Module, SupportsMultiModal):
         self.config = config
         patch_dim = config.patch_size * config.patch_size * config.num_channels
         self.vision_embed_tokens = Linear(patch_dim, config.text_config.hidden_size)
-        self.language_model = ModelRegistry.resolve_text_model_cls(config.text_config)(config.text_config)
+        self.language_model = ModelRegistry.build_language_model(config)
         # The |SPEAKER| id is the tokenizer's and FuyuConfig 4.48 lacks it: merging by token id needs
         # it set; the engine merges by the placeholders' is_embed mask instead.
         self.placeholder_token_id: Optional[int] = getattr(config, "image_token_id", None)

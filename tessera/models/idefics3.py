@@ -290,12 +290,9 @@ class Idefics3ForConditionalGeneration(nn.Module, SupportsMultiModal):
     def __init__(self, config: Idefics3Config) -> None:
         super().__init__()
         self.config = config
-        text_config = config.text_config
-        if not hasattr(text_config, "tie_word_embeddings"):
-            text_config.tie_word_embeddings = config.tie_word_embeddings
         self.vision_model = Idefics3VisionTransformer(config.vision_config)
         self.connector = Idefics3Connector(config)
-        self.language_model = ModelRegistry.resolve_text_model_cls(text_config)(text_config)
+        self.language_model = ModelRegistry.build_language_model(config)
         self.placeholder_token_id = config.image_token_id
         self.patch_size = config.vision_config.patch_size
 

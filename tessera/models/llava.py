@@ -147,10 +147,9 @@ class LlavaForConditionalGeneration(nn.Module, SupportsMultiModal):
             )
         if config.vision_config.model_type != "clip_vision_model":
             raise ValueError(f"Unsupported LLaVA vision tower {config.vision_config.model_type!r}; supported: CLIP")
-        language_model_cls = ModelRegistry.resolve_text_model_cls(config.text_config)
         self.vision_tower = CLIPVisionModel(config.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(config, len(self.feature_layers))
-        self.language_model = language_model_cls(config.text_config)
+        self.language_model = ModelRegistry.build_language_model(config)
         self.placeholder_token_id = config.image_token_index
 
     def get_language_model(self) -> nn.Module:

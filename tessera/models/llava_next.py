@@ -234,12 +234,10 @@ class LlavaNextForConditionalGeneration(nn.Module, SupportsMultiModal):
                 "expected 'default' or 'full'."
             )
         text_config = config.text_config
-        if not hasattr(text_config, "tie_word_embeddings"):
-            text_config.tie_word_embeddings = config.tie_word_embeddings
         self.vision_tower = build_vision_tower(config.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(config, len(self.feature_layers))
         self.image_newline = nn.Parameter(torch.empty(text_config.hidden_size))
-        self.language_model = ModelRegistry.resolve_text_model_cls(text_config)(text_config)
+        self.language_model = ModelRegistry.build_language_model(config)
         self.placeholder_token_id = config.image_token_index
         self.tile_size = config.vision_config.image_size
         self.tile_side = config.vision_config.image_size // config.vision_config.patch_size

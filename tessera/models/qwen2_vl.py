@@ -220,11 +220,8 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
     def __init__(self, config: Qwen2VLConfig) -> None:
         super().__init__()
         self.config = config
-        text_config = config.text_config
-        if not hasattr(text_config, "tie_word_embeddings"):  # transformers 5 keeps it on the outer config
-            text_config.tie_word_embeddings = config.tie_word_embeddings
         self.visual = self.vision_tower_cls(config.vision_config)
-        self.language_model = ModelRegistry.resolve_text_model_cls(text_config)(text_config)
+        self.language_model = ModelRegistry.build_language_model(config)
         self.placeholder_token_id = [config.image_token_id, config.video_token_id]
         self.spatial_merge_size = config.vision_config.spatial_merge_size
 

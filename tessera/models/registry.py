@@ -6,9 +6,12 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Sequence
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 from transformers import PretrainedConfig
+
+if TYPE_CHECKING:
+    from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,15 @@ class _ModelRegistry:
                 "tessera.ModelRegistry.register_text_model(model_type, model_cls)."
             )
         return _load(self._text_models, model_type)
+
+    def build_language_model(self, config: PretrainedConfig) -> nn.Module:
+        """The language model of a multimodal `config`, built from its `text_config`. transformers 5
+        keeps `tie_word_embeddings` on the outer config for some models (Qwen2-VL, Idefics3); the
+        text config inherits it when it has none of its own."""
+        text_config = config.text_config
+        if not hasattr(text_config, "tie_word_embeddings"):
+            text_config.tie_word_embeddings = config.tie_word_embeddings
+        return self.resolve_text_model_cls(text_config)(text_config)
 
     def resolve_model_cls(self, architectures: Sequence[str]) -> tuple[type, str]:
         """The first supported architecture of a config's `architectures` list."""

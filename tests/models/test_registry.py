@@ -83,3 +83,16 @@ def test_a_llava_builds_the_language_model_its_text_config_names(tmp_path):
         ours = model.compute_logits(model(None, torch.arange(11), inputs_embeds=model.get_input_embeddings(ids)))
         expected = HFLlava.from_pretrained(tmp_path, attn_implementation="eager")(input_ids=ids[None]).logits[0]
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+def test_a_language_model_inherits_tie_word_embeddings_from_the_outer_config():
+    """transformers 5 keeps tie_word_embeddings on Qwen2-VL's outer config, not its text config."""
+    from transformers import Qwen2VLConfig
+
+    rope = {"rope_type": "default", "mrope_section": [1, 1, 2]}
+    text = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, rope_parameters=rope)  # fmt: skip
+    for tied in (True, False):
+        config = Qwen2VLConfig(text_config=text, tie_word_embeddings=tied)
+        model = ModelRegistry.build_language_model(config)
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
