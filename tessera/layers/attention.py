@@ -1,9 +1,11 @@
 """Causal self-attention over a paged KV cache.
 
-The cache of each layer is a pool of fixed-size blocks, `[num_blocks, kv_heads, block_size,
-head_dim]` for keys and for values (heads outside positions, so decode attention can multiply
-gathered blocks without reordering them). A sequence owns a list of blocks (its block table); token t of
-a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`. One forward
+The cache of each layer is a pool of fixed-size blocks, `[num_blocks, block_size, kv_heads,
+head_dim]` for keys and for values: slot-major, so the step's keys and values are written with one
+`index_copy_` into the flat `[num_slots, kv_heads, head_dim]` view, and a sequence's gathered blocks
+are its context in order, `[context, kv_heads, head_dim]`, with no copy. A sequence owns a list of
+blocks (its block table); token t of a sequence lives in slot `block_table[t // block_size] *
+block_size + t % block_size`. One forward
 step carries new tokens of several sequences, flattened into one `[num_tokens, ...]` batch: whole
 prompts, prompt chunks whose earlier tokens are already cached, and single decode tokens alike.
 The engine's scheduler decides what runs; `AttentionMetadata` (attention_metadata.py) tells each
@@ -53,9 +55,13 @@ class PagedAttention(nn.Module):
             raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
-        # Bound by the runner (see kv_cache.py): [num_blocks, num_kv_heads, block_size, head_dim].
+        # Bound by the runner (see kv_cache.py): `cache_shape` each.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """The shape of this layer's key (and value) cache: [num_blocks, block_size, kv_heads, head_dim]."""
+        return num_blocks, block_size, self.num_kv_heads, self.head_dim
 
     def extra_repr(self) -> str:
         extra = f"num_heads={self.num_heads}, head_dim={self.head_dim}, num_kv_heads={self.num_kv_heads}"
@@ -70,10 +76,8 @@ class PagedAttention(nn.Module):
         metadata = get_attention_metadata()
         if self.k_cache.numel() == 0:
             raise RuntimeError("The KV cache is not allocated; call allocate_kv_cache(model, ...) first")
-        block_size = self.k_cache.shape[2]
-        blocks, offsets = metadata.slot_mapping // block_size, metadata.slot_mapping % block_size
-        self.k_cache[blocks, :, offsets] = k.to(self.k_cache.dtype)
-        self.v_cache[blocks, :, offsets] = v.to(self.v_cache.dtype)
+        for cache, new in ((self.k_cache, k), (self.v_cache, v)):  # [num_slots, Hkv, D] views
+            cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, new.to(cache.dtype))
 
         if len(metadata.decode_rows) == q.shape[0]:  # a pure decode step
             return self._decode(q, metadata)
@@ -96,15 +100,19 @@ class PagedAttention(nn.Module):
             start += query_len
         return out
 
-    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, context_len: int) -> torch.Tensor:
-        """One sequence's chunk: q [n, H, D] over its context of `context_len` tokens -> [n, H, D]."""
+    def _gather(self, blocks: torch.Tensor, start: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Keys and values at context positions start..end-1 of the sequence holding `blocks`, kv heads
+        repeated to the query heads (SDPA's enable_gqa path is slow on CPU): two [H, end - start, D]."""
         group = self.num_heads // self.num_kv_heads
-        # [blocks, Hkv, block_size, D] -> [H, ctx, D]; kv heads repeated: SDPA's enable_gqa path is slow on CPU
-        k, v = (
-            cache.index_select(0, blocks).transpose(0, 1).flatten(1, 2)[:, :context_len]
-            .to(q.dtype).repeat_interleave(group, dim=0)
+        return tuple(
+            cache.index_select(0, blocks).flatten(0, 1)[start:end].transpose(0, 1).to(dtype)
+            .repeat_interleave(group, dim=0)
             for cache in (self.k_cache, self.v_cache)
         )  # fmt: skip
+
+    def _prefill(self, q: torch.Tensor, blocks: torch.Tensor, context_len: int) -> torch.Tensor:
+        """One sequence's chunk: q [n, H, D] over its context of `context_len` tokens -> [n, H, D]."""
+        k, v = self._gather(blocks, 0, context_len, q.dtype)
         query_len = q.shape[0]
         if query_len == context_len:  # a whole prompt: the fused causal kernel, no mask tensor
             out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=self.scale)
@@ -121,14 +129,10 @@ class PagedAttention(nn.Module):
         `key_start` on, `mask` [n, context_len - key_start] (None: causal) -> [n, H, D]."""
         if mask is None and self.logits_soft_cap is None:
             return self._prefill(q, blocks, context_len)
-        group, block_size = self.num_heads // self.num_kv_heads, self.k_cache.shape[2]
+        block_size = self.k_cache.shape[1]
         first_block = key_start // block_size  # gather only the blocks holding a visible key
-        skip, end = key_start - first_block * block_size, context_len - first_block * block_size
-        k, v = (
-            cache.index_select(0, blocks[first_block:]).transpose(0, 1).flatten(1, 2)[:, skip:end]
-            .to(q.dtype).repeat_interleave(group, dim=0)
-            for cache in (self.k_cache, self.v_cache)
-        )  # fmt: skip
+        skip = first_block * block_size
+        k, v = self._gather(blocks[first_block:], key_start - skip, context_len - skip, q.dtype)
         query_len = q.shape[0]
         if mask is None:  # causal, only soft-capped
             mask = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device).tril(context_len - query_len)
@@ -136,34 +140,41 @@ class PagedAttention(nn.Module):
         if self.logits_soft_cap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale).transpose(0, 1)
         # SDPA has no soft-capping: scores by hand, a bounded number of query rows at a time
-        out, cap = torch.empty_like(q), self.logits_soft_cap
+        out = torch.empty_like(q)
         rows = max(1, (1 << 24) // (self.num_heads * k.shape[1]))
         for row in range(0, query_len, rows):
-            scores = torch.matmul(q[:, row : row + rows], k.transpose(-1, -2)) * self.scale
-            scores = torch.tanh(scores / cap) * cap
-            scores = scores.masked_fill(~mask[row : row + rows], float("-inf"))
-            probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-            out[:, row : row + rows] = torch.matmul(probs, v)
+            out[:, row : row + rows] = self._soft_capped(q[:, row : row + rows], k, v, mask[row : row + rows])
         return out.transpose(0, 1)
 
+    def _soft_capped(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """Attention with logit soft-capping, which SDPA lacks: q [..., n, D] over k, v [..., L, D] with a
+        bool `mask` broadcasting to [..., n, L] (True: visible; None: all) -> [..., n, D]."""
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
+
     def _decode(self, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """All single-token sequences at once, block by block: q [B, H, D] -> [B, H, D]."""
+        """All single-token sequences at once: q [B, H, D] -> [B, H, D]. The `group` query heads sharing
+        a kv head are that head's `group` query rows (one position: no causal mask), so SDPA runs on
+        the gathered cache as it lies, [B, Hkv, L, D] strided, with no copy per query head."""
         batch, group = q.shape[0], self.num_heads // self.num_kv_heads
-        tables, mask = metadata.decode_tables(self.sliding_window)
-        num_blocks, block_size = tables.shape[1], self.k_cache.shape[2]
-        # index_select: several times faster than advanced indexing on CPU
+        tables, mask = metadata.decode_tables(self.sliding_window)  # [B, blocks], [B, L]
         k, v = (
-            cache.index_select(0, tables.flatten()).view(batch, num_blocks, *cache.shape[1:]).to(q.dtype)
+            cache.index_select(0, tables.flatten()).view(batch, -1, self.num_kv_heads, self.head_dim)
+            .transpose(1, 2).to(q.dtype)
             for cache in (self.k_cache, self.v_cache)
-        )  # [B, blocks, Hkv, block_size, D]
-        q = q.view(batch, 1, self.num_kv_heads, group, self.head_dim)  # heads of a kv group are adjacent
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [B, blocks, Hkv, group, block_size]
+        )  # fmt: skip  # [B, Hkv, L, D]
+        q = q.view(batch, self.num_kv_heads, group, self.head_dim)  # heads of a kv group are adjacent
+        mask = mask.view(batch, 1, 1, -1)
+        if batch == 1:  # one sequence: its visible keys are a contiguous run, no mask needed
+            start, end = metadata.decode_visible(self.sliding_window)[0]
+            k, v, mask = k[:, :, start:end], v[:, :, start:end], None
         if self.logits_soft_cap is not None:
-            scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
-        mask = mask.view(batch, num_blocks, 1, 1, block_size)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        # softmax over every position of the sequence: blocks and offsets together
-        scores = scores.permute(0, 2, 3, 1, 4).reshape(batch, self.num_kv_heads, group, -1).softmax(dim=-1)
-        probs = scores.view(batch, self.num_kv_heads, group, num_blocks, block_size).permute(0, 3, 1, 2, 4)
-        out = torch.matmul(probs, v).sum(dim=1)  # [B, Hkv, group, D]
+            out = self._soft_capped(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         return out.reshape(batch, self.num_heads, self.head_dim)

@@ -176,6 +176,23 @@ class AttentionMetadata:
             self._masks[key] = tables.gather(1, index), mask.to(tables.device)
         return self._masks[key]
 
+    def decode_visible(self, sliding_window: Optional[int] = None) -> list[tuple[int, int]]:
+        """Per single-token sequence, the [start, end) of its visible keys among the positions of its
+        `decode_tables(sliding_window)` blocks (Python ints: a lone sequence slices them, no mask)."""
+        key = ("visible", None, sliding_window)
+        if key not in self._masks:
+            tables, mask = self.decode_tables(sliding_window)
+            block_size = mask.shape[1] // tables.shape[1] if tables.shape[1] else 1
+            lens = [self.context_lens[i] for i, n in enumerate(self.query_lens) if n == 1]
+            windowed = tables is not self.decode_block_tables
+            visible = []
+            for length in lens:
+                start = max(length - sliding_window, 0) if windowed else 0
+                skip = start // block_size * block_size if windowed else 0  # the blocks before the first gathered
+                visible.append((start - skip, length - skip))
+            self._masks[key] = visible
+        return self._masks[key]
+
 
 def _relevant_spans(spans: Sequence[tuple[int, int]], query_start: int, context_len: int) -> list[tuple[int, int]]:
     """The spans of one sequence in which a query of this step has a later span-mate: the only ones

@@ -37,6 +37,6 @@ def allocate_kv_cache(
     if not layers:
         raise ValueError(f"{type(model).__name__} has no PagedAttention layers")
     for layer in layers:
-        shape = (num_blocks, layer.num_kv_heads, block_size, layer.head_dim)
+        shape = layer.cache_shape(num_blocks, block_size)
         layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)

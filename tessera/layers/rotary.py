@@ -251,10 +251,11 @@ class RotaryEmbedding(nn.Module):
         """Rotates q, k by `angles(positions)` [T, rotary_dim / 2]; cos/sin cached per positions tensor."""
         cached = self._cached
         if cached is None or cached[0] is not positions or cached[1] != q.dtype:
-            emb = angles(positions).repeat(1, 2)  # [T, R]: both halves share a frequency
-            cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]  # [T, 1, R]
-            sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]
-            cached = self._cached = (positions, q.dtype, cos, sin)
+            emb = angles(positions)  # [T, R / 2]: both halves of a head share a frequency
+            cos = (emb.cos() * self.attention_scaling).to(q.dtype).repeat(1, 2)[:, None, :]  # [T, 1, R]
+            sin = (emb.sin() * self.attention_scaling).to(q.dtype)
+            signed_sin = torch.cat((-sin, sin), dim=-1)[:, None, :]  # see apply_rotary
+            cached = self._cached = (positions, q.dtype, cos, signed_sin)
         _, _, cos, sin = cached
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
@@ -272,10 +273,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., D] rotated on its first R = cos.shape[-1] features; cos, sin broadcast to [..., R]."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D] rotated on its first R = cos.shape[-1] features: HF's `x * cos + rotate_half(x) * sin`,
+    bit for bit, in fewer ops: rotate_half(x) * sin == roll(x, R / 2) * signed_sin, where signed_sin is
+    (-sin, sin) over the two halves (negating is exact). cos, signed_sin broadcast to [..., R]."""
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + x.roll(rotary_dim // 2, dims=-1) * signed_sin
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + x_rot.roll(rotary_dim // 2, dims=-1) * signed_sin, x_pass), dim=-1)

@@ -23,8 +23,8 @@ def reference(q, k, v, scale):
 
 def make_layer(num_blocks=32, block_size=4):
     layer = PagedAttention(H, D, HKV, scale=D**-0.5)
-    layer.k_cache = torch.zeros(num_blocks, HKV, block_size, D)
-    layer.v_cache = torch.zeros(num_blocks, HKV, block_size, D)
+    layer.k_cache = torch.zeros(layer.cache_shape(num_blocks, block_size))
+    layer.v_cache = torch.zeros(layer.cache_shape(num_blocks, block_size))
     return layer
 
 
@@ -137,8 +137,8 @@ VARIANTS = [
 
 def variant_layer(variant, num_blocks=64, block_size=4):
     layer = PagedAttention(H, D, HKV, scale=D**-0.5, **variant)
-    layer.k_cache = torch.zeros(num_blocks, HKV, block_size, D)
-    layer.v_cache = torch.zeros(num_blocks, HKV, block_size, D)
+    layer.k_cache = torch.zeros(layer.cache_shape(num_blocks, block_size))
+    layer.v_cache = torch.zeros(layer.cache_shape(num_blocks, block_size))
     return layer
 
 
@@ -218,6 +218,11 @@ def test_a_decode_batch_over_many_steps():
     check(seqs, steps)
 
 
+def test_a_lone_sequence_decodes_over_many_steps():
+    # batch-1 decode slices the keys it sees out of the gathered blocks instead of masking them
+    check(make_seqs([19], seed=8), [{0: 5}] + [{0: 1}] * 14)
+
+
 SPANS = {0: [(2, 7), (9, 12)], 1: [(0, 4)], 3: [(4, 13)]}  # across block boundaries, longer than windows
 
 
@@ -276,6 +281,10 @@ def test_windowed_steps_gather_only_the_window():
     assert mask.tolist() == [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0]]
     assert metadata.decode_tables(None)[0].shape[1] == 4
     assert metadata.decode_tables(13)[0] is metadata.decode_block_tables  # covers every context
+    # the visible keys among the gathered positions: 8-12 of [2, 3] -> 0-4; 0-2 of [4, 4] -> 0-2
+    assert metadata.decode_visible(5) == [(0, 5), (0, 3)]
+    assert metadata.decode_visible(None) == [(0, 13), (0, 3)]
+    assert metadata.decode_visible(3) == [(2, 5), (0, 3)]  # keys 10-12: offsets 2-4 of blocks [2, 3]
     key_start, mask = metadata.prefill_mask(2, 3)  # queries at 8..13 see keys from 6 on
     assert key_start == 6 and mask.shape == (6, 8)
     assert metadata.prefill_mask(2, 3)[1] is mask  # built once per window for all layers
