@@ -10,6 +10,9 @@ Exit status 0 when the goals are met (overall >= 95%, every kind >= 90%, HF agre
 answer), 1 otherwise.
 
 Usage: python -m tools.eval_demo_model [MODEL_FOLDER] [-n 500] [--seed 12345] [--hf-sample 20]
+       [--dtype float32|bfloat16] [--quantization int8|int4]
+
+HF runs the float32 model: with another dtype or quantization its sample measures how far the answers moved.
 """
 
 from __future__ import annotations
@@ -46,12 +49,14 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--image-size", type=int, default=demo_data.IMAGE_SIZE,
                    help="render the scenes at this size (the processor resizes them to the model's input)")  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, help="weight quantization of the language model (int8, int4)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
     t0 = time.time()
     data = demo_data.make_dataset(args.n, args.seed, args.image_size)
-    llm = LLM(args.model, dtype="float32", kv_cache_memory="256MiB")
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, kv_cache_memory="256MiB")
     hf_processor = llm.engine.processor.info.get_hf_processor()
 
     prompts = []
@@ -76,7 +81,7 @@ def main() -> int:
             errors.append((kind, question, expected, answer))
     right = sum(r for r, _ in scores.values())
 
-    print(f"model: {args.model}")
+    print(f"model: {args.model} ({args.dtype}, quantization {args.quantization})")
     print(f"{args.n} held-out questions (seed {args.seed}, {args.image_size}px), Tessera greedy, {t_gen:.1f}s in all")
     print(f"{'kind':<10} {'correct':>8} {'total':>6} {'accuracy':>9}")
     for kind in demo_data.KINDS:

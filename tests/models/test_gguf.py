@@ -26,9 +26,23 @@ def hf_model(path):
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "output-weight"])
-def test_prefill_logits_match_hf(tmp_path, tied):
-    path = build_tiny_gguf(tmp_path / "m.gguf", tie_word_embeddings=tied)
+# The weight types llama.cpp users run: K-quants need rows of 256, so those files are wider.
+WEIGHT_TYPES = {
+    "Q8_0": {}, "F16": {}, "F32": {}, "Q4_0": {}, "Q4_1": {},
+    "Q4_K": dict(hidden_size=256, intermediate_size=512), "Q6_K": dict(hidden_size=256, intermediate_size=512),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "weight_type, tied", [("Q8_0", False)] + [(weight_type, True) for weight_type in WEIGHT_TYPES]
+)  # the untied output layer is one more tensor of a type: Q8_0 covers it
+def test_prefill_logits_match_hf(tmp_path, tied, weight_type):
+    path = build_tiny_gguf(tmp_path / "m.gguf", tie_word_embeddings=tied, weight_type=weight_type,
+                           **WEIGHT_TYPES[weight_type])  # fmt: skip
+    import gguf
+
+    types = {tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
+    assert weight_type in types  # written as asked, not fallen back
     model = load_model(ModelConfig(str(path), device="cpu"))
     assert type(model).__name__ == "LlamaForCausalLM"
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
