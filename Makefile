@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser test demo bench bench-engine bench-serve clean
+.PHONY: setup browser test demo bench bench-engine bench-serve bench-llama-cpp clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,13 @@ bench-engine: $(STAMP)
 
 bench-serve: $(STAMP)
 	$(PY) -m benchmarks.bench_serve
+
+# Tessera vs llama.cpp on SmolLM2-135M-Instruct (F32/F16/Q8_0 files re-quantized once into
+# ~/.cache/tessera/bench). The first run compiles llama-cpp-python from source (several minutes);
+# GGML_NATIVE (llama.cpp's default, spelled out) builds it for this CPU.
+bench-llama-cpp: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install --quiet -c constraints.txt -e ".[bench]"
+	$(PY) -m benchmarks.bench_llama_cpp
 
 clean:
 	rm -rf $(VENV) .pytest_cache *.egg-info
