@@ -69,14 +69,19 @@ def main() -> None:
         finally:
             totals["sampler"] += time.perf_counter() - start
 
-    def timed_forward(*a, **k):
-        start = time.perf_counter()
-        try:
-            return forward(*a, **k)
-        finally:
-            totals["forward"] += time.perf_counter() - start
+    def timed(function):
+        def wrapper(*a, **k):
+            start = time.perf_counter()
+            try:
+                return function(*a, **k)
+            finally:
+                totals["forward"] += time.perf_counter() - start
 
-    model_runner.sample, engine.model.forward = timed_sample, timed_forward
+        return wrapper
+
+    # the decoder and the lm_head (compute_logits): the modules of PARTS run inside one or the other
+    engine.model.forward, engine.model.compute_logits = timed(forward), timed(engine.model.compute_logits)
+    model_runner.sample = timed_sample
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
     engine.add_request("profile", PROMPT, params)
     engine.step()  # the prefill: not counted
