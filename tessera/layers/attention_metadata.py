@@ -70,26 +70,28 @@ class AttentionMetadata:
         sequence) whose tokens all see each other (Gemma 3: the tokens of one image). The step's new
         tokens of a sequence may start inside a span (its earlier tokens cached), not end strictly
         inside one: the later tokens would be needed and are not there."""
-        context_blocks, new_slots = [], []
+        context_blocks, slots = [], []
         for query_len, context_len, blocks in zip(query_lens, context_lens, block_tables):
             if query_len > context_len:
                 raise ValueError(f"query_len {query_len} exceeds context_len {context_len}")
             if len(blocks) * block_size < context_len:
                 raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold {context_len} tokens")
-            positions = torch.arange(context_len)
-            slots = torch.as_tensor(blocks, dtype=torch.long)[positions // block_size] * block_size + (
-                positions % block_size
-            )
             context_blocks.append(torch.as_tensor(blocks[: -(-context_len // block_size)], dtype=torch.long).to(device))
-            new_slots.append(slots[context_len - query_len :])
-        slot_mapping = torch.cat(new_slots).to(device) if new_slots else torch.empty(0, dtype=torch.long)
+            # the new tokens' slots, a run per block (Python: cheaper than tensor ops at decode sizes)
+            first = context_len - query_len
+            for block in range(first // block_size, -(-context_len // block_size)):
+                base = blocks[block] * block_size - block * block_size  # slot of position p: base + p
+                slots.extend(
+                    range(base + max(first, block * block_size), base + min(context_len, (block + 1) * block_size))
+                )
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         decode = [i for i, n in enumerate(query_lens) if n == 1]
         starts = torch.tensor([0, *query_lens]).cumsum(0)
         max_blocks = max((-(-context_lens[i] // block_size) for i in decode), default=0)
         tables = torch.zeros(len(decode), max_blocks, dtype=torch.long)
-        for row, i in enumerate(decode):
-            used = -(-context_lens[i] // block_size)
-            tables[row, :used] = torch.as_tensor(block_tables[i][:used])
+        if decode:  # block tables padded with block 0, in one tensor
+            padded = [list(block_tables[i][: -(-context_lens[i] // block_size)]) for i in decode]
+            tables = torch.tensor([table + [0] * (max_blocks - len(table)) for table in padded], dtype=torch.long)
         lens = torch.tensor([context_lens[i] for i in decode], dtype=torch.long)
         mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
         spans = []
