@@ -1,8 +1,8 @@
-"""Batch-1 decode tokens/s of int8 weight-only quantization vs bfloat16 vs float32, side by side in one
+"""Batch-1 decode tokens/s of int8 and int4 weight-only quantization vs bfloat16 vs float32, side by side in one
 process on the realistic LLaVA (`bench_model`: CLIP ViT-B/16 + a SmolLM2-135M-shaped Llama). The
 variants take turns over `--rounds` rounds (so drifts in machine load hit all of them); each prints
 its median. Also prints the language model's linear weight bytes of each variant.
-Goal: int8 (bfloat16 activations) decode >= 1.8x bfloat16 decode.
+Goal: int8 (bfloat16 activations) decode >= 1.8x bfloat16 decode; int4 (groups of 32) should beat int8.
 
     .venv/bin/python -m benchmarks.bench_quantization [--tokens 64] [--rounds 3]
 """
@@ -24,12 +24,15 @@ VARIANTS = {  # name -> LLM options
     "bfloat16": dict(dtype="bfloat16"),
     "int8 (float32 act.)": dict(dtype="float32", quantization="int8"),
     "int8 (bfloat16 act.)": dict(dtype="bfloat16", quantization="int8"),
+    "int4 (float32 act.)": dict(dtype="float32", quantization="int4"),
+    "int4 (bfloat16 act.)": dict(dtype="bfloat16", quantization="int4"),
 }
 PROMPT = "USER: Tell me a long story about a lighthouse. ASSISTANT:"
 
 
 def linear_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weights the language model's linears read per token (dense, packed or int8 + scales)."""
+    """Bytes of the weights the language model's linears read per token (dense, packed, or int8/int4 + scales
+    (and zeros))."""
     total = 0
     for module in model.language_model.modules():
         if not isinstance(module, Linear):
@@ -71,12 +74,15 @@ def main() -> None:
         mib = linear_weight_bytes(llm.engine.model) / 2**20
         values = " ".join(f"{v:.1f}" for v in runs[name])
         print(f"  {name:22s} {medians[name]:7.1f} tokens/s  (runs {values})  linear weights {mib:6.1f} MiB")
-    for num, den in (("int8 (bfloat16 act.)", "bfloat16"), ("int8 (float32 act.)", "float32"), ("bfloat16", "float32")):
+    pairs = [(f"{q} ({a} act.)", a) for q in ("int8", "int4") for a in ("bfloat16", "float32")]
+    pairs += [("int4 (bfloat16 act.)", "int8 (bfloat16 act.)"), ("bfloat16", "float32")]
+    for num, den in pairs:
         if num in medians and den in medians:
             print(f"  {num} / {den}: {medians[num] / medians[den]:.2f}x")
-    if "int8 (bfloat16 act.)" in medians and "bfloat16" in medians:
-        ratio = medians["int8 (bfloat16 act.)"] / medians["bfloat16"]
-        print(f"int8 / bfloat16 decode {ratio:.2f}x  (goal >= 1.8x)")
+    for method in ("int8", "int4"):
+        if f"{method} (bfloat16 act.)" in medians and "bfloat16" in medians:
+            ratio = medians[f"{method} (bfloat16 act.)"] / medians["bfloat16"]
+            print(f"{method} / bfloat16 decode {ratio:.2f}x  (goal >= 1.8x)")
 
 
 if __name__ == "__main__":

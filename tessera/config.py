@@ -28,9 +28,10 @@ def parse_dtype(value: "str | torch.dtype", what: str = "dtype") -> torch.dtype:
     raise ValueError(f"Unsupported {what} {value!r}; use float32, bfloat16 or float16.")
 
 
-QUANTIZATION_METHODS = ("int8",)
-"""Weight quantization applied at load (`tessera.layers.quantization`): "int8" = int8 weights with a
-scale per output channel for the language model's linear layers."""
+QUANTIZATION_METHODS = ("int8", "int4")
+"""Weight quantization applied at load (`tessera.layers.quantization`) to the language model's linear layers:
+"int8" = int8 weights with a scale per output channel; "int4" = 4-bit weights with a scale and zero per
+group of 32 inputs of an output channel."""
 
 
 def check_quantization(value: Optional[str]) -> Optional[str]:
@@ -121,8 +122,9 @@ class ModelConfig:
     projector_device: Optional[str] = None
     quantization: Optional[str] = None
     """Weight quantization at load, one of QUANTIZATION_METHODS ("int8": the language model's linear
-    layers, lm_head included, get int8 weights with a scale per output channel; the vision tower and
-    projector keep their dtype); None: the checkpoint's weights in `dtype`."""
+    layers, lm_head included, get int8 weights with a scale per output channel; "int4": 4-bit weights with
+    a scale and zero per group of 32 inputs; the vision tower and projector keep their dtype); None: the
+    checkpoint's weights in `dtype`."""
 
     allow_pickle: bool = False
     """Load .bin/.pt weights (pickle, which can run code) when there are no .safetensors."""

@@ -1,18 +1,21 @@
-"""Int8 weight-only quantization end to end on the tiny LLaVA: logits near the float model's, within a
-bound computed from the weights' scales; generation through LLM; the bytes the linears keep."""
+"""Weight-only quantization (int8, int4) end to end on the tiny LLaVA: logits near the float model's, within
+a bound computed from the weights' scales; generation through LLM; the bytes the linears keep; int4's
+de-quantizing fallback against its op."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from tessera import LLM, SamplingParams
+from tessera.layers.cpu_kernels import ENV
+from tessera.layers.int4_kernels import dequantize_int4, int4_layout, int4_mm_works
 from tessera.layers.linear import Linear
+from tessera.layers.quantization import INT4_GROUP_SIZE
 from tessera.testing.generation import greedy_logprobs
 
 PROMPTS = ["USER: Tell me about the sea. ASSISTANT:", "USER: hi ASSISTANT:"]
+METHODS = ["int8", "int4"]
 
 
 def make(folder, **options):
@@ -23,43 +26,72 @@ def linears(llm):
     return {n: m for n, m in llm.engine.model.language_model.named_modules() if isinstance(m, Linear)}
 
 
+def dequantized_and_step(layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized layer's weight [out, in] (float64) and the rounding step of each of its entries."""
+    if layer.quantization == "int4":  # without the op's padding rows
+        weight = dequantize_int4(layer.qweight, layer.qscale, int4_layout() if layer.quant_mm else None).double()
+        group = layer.in_features // layer.qscale.shape[0]
+        step = layer.qscale[..., 0].double().t().repeat_interleave(group, dim=1)
+        return weight[: layer.out_features], step[: layer.out_features]
+    scale = layer.qscale.double()[:, None]
+    return layer.qweight.double() * scale, scale.expand(layer.qweight.shape)
+
+
 @pytest.fixture(scope="module")
-def pair(tiny_llava_dir):
-    return make(tiny_llava_dir), make(tiny_llava_dir, quantization="int8")
+def dense(tiny_llava_dir):
+    return make(tiny_llava_dir)
 
 
-def test_only_the_language_model_is_quantized(pair):
-    dense, quantized = pair
+@pytest.fixture(scope="module", params=METHODS)
+def quantized(request, tiny_llava_dir):
+    return make(tiny_llava_dir, quantization=request.param)
+
+
+def test_only_the_language_model_is_quantized(dense, quantized):
+    method = quantized.engine.model_config.quantization
     layers = linears(quantized)
-    assert layers and all(m.qweight is not None for m in layers.values())
+    assert layers and all(m.qweight is not None and m.quantization == method for m in layers.values())
     assert "lm_head" in layers  # tied or not, lm_head is quantized
+    embedding = quantized.engine.model.language_model.model.embed_tokens.weight
+    assert all(m.weight.numel() == 0 or m.weight is embedding for m in layers.values())  # float weights dropped
     model = quantized.engine.model
     for part in model.multimodal_parts.values():
         assert all(not isinstance(m, Linear) or m.qweight is None for m in getattr(model, part).modules())
     assert all(m.qweight is None for m in linears(dense).values())
 
 
-def test_linear_weight_bytes_are_a_quarter_of_float32(pair, tiny_llava_dir):
-    dense, quantized = pair
+def test_linear_weight_bytes(dense, quantized):
+    """int8: a quarter of float32 plus a float32 scale per row; int4: an eighth plus two float32 scales per
+    group of 32 (3/16), every in_features here being a multiple of 32, of out_features padded to 16k for the op."""
     with torch.device("meta"):  # the float model's linears are packed: count their shapes
         meta = type(dense.engine.model)(dense.engine.model_config.hf_config).language_model
     fp32 = sum(m.weight.numel() * 4 for m in meta.modules() if isinstance(m, Linear))
-    int8 = sum(m.qweight.numel() + m.qscale.numel() * m.qscale.element_size() for m in linears(quantized).values())
-    min_in = min(m.in_features for m in linears(quantized).values())
-    assert fp32 / 4 < int8 <= fp32 / 4 * (1 + 4 / min_in)
+    layers = linears(quantized).values()
+    kept = sum(
+        m.qweight.numel() * m.qweight.element_size() + m.qscale.numel() * m.qscale.element_size() for m in layers
+    )
+    if quantized.engine.model_config.quantization == "int4":
+        assert all(
+            m.in_features % INT4_GROUP_SIZE == 0 and 0 <= m.qweight.shape[0] - m.out_features < 16 for m in layers
+        )
+        padded = sum(m.qweight.shape[0] * m.in_features * 4 for m in layers)  # the op's rows: 16k (lm_head: 514 -> 528)
+        assert kept == padded * 3 // 16 and fp32 * 3 // 16 <= kept
+    else:
+        min_in = min(m.in_features for m in layers)
+        assert fp32 / 4 < kept <= fp32 / 4 * (1 + 4 / min_in)
 
 
-def test_prefill_logits_stay_within_the_quantization_bound(pair, tiny_llava_dir):
-    """Each weight moves by at most scale/2; uniform rounding gives a relative RMS weight error of
-    (scale / sqrt(12)) / rms(row) per layer. Errors of the L quantized layers on the path add up to at most
-    their sum, so the logits move by ~that sum times their own spread; asserted with a 4x margin."""
-    dense, quantized = pair
+def test_prefill_logits_stay_within_the_quantization_bound(dense, quantized):
+    """Each weight moves by at most step/2 (int8: the row's scale, int4: its group's); uniform rounding gives
+    a relative RMS weight error of sqrt(mean step^2 / 12) / rms(row) per layer. Errors of the L quantized
+    layers on the path add up to at most their sum, so the logits move by ~that sum times their own spread;
+    asserted with a 4x margin."""
     vocab = dense.engine.model_config.hf_config.get_text_config().vocab_size
     relative = []
     for layer in linears(quantized).values():
-        weight = layer.qweight.double() * layer.qscale.double()[:, None]
+        weight, step = dequantized_and_step(layer)
         rms = weight.pow(2).mean(dim=1).sqrt()
-        relative.append(float((layer.qscale.double() / math.sqrt(12) / rms).mean()))
+        relative.append(float((step.pow(2).mean(dim=1).div(12).sqrt() / rms).mean()))
     predicted = sum(relative)
     ref = greedy_logprobs(dense, PROMPTS, 1, vocab)
     got = greedy_logprobs(quantized, PROMPTS, 1, vocab)
@@ -68,16 +100,16 @@ def test_prefill_logits_stay_within_the_quantization_bound(pair, tiny_llava_dir)
         logits_a, logits_b = expected - expected.mean(), actual - actual.mean()
         error = (logits_b - logits_a).abs()
         spread = float(logits_a.std())
-        bound = 4 * predicted * spread
-        print(f"max |d logit| {float(error.max()):.2e} mean {float(error.mean()):.2e}; bound {bound:.2e}")
+        print(f"predicted {predicted:.3f}: max |d logit| {float(error.max()):.2e}, mean {float(error.mean()):.2e}")
         assert float(error.mean()) <= 4 * predicted * spread
         assert float(error.max()) <= 4 * predicted * spread * 5  # a tail over the vocabulary
         assert error.max() > 0  # the weights did change
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_quantized_generation_runs_end_to_end(tiny_llava_dir, dtype):
-    llm = make(tiny_llava_dir, dtype=dtype, quantization="int8")
+def test_quantized_generation_runs_end_to_end(tiny_llava_dir, method, dtype):
+    llm = make(tiny_llava_dir, dtype=dtype, quantization=method)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [6, 6]
@@ -85,6 +117,25 @@ def test_quantized_generation_runs_end_to_end(tiny_llava_dir, dtype):
     assert len(chat.outputs[0].token_ids) == 6
 
 
+def test_int4_fallback_gives_the_logits_of_the_op(tiny_llava_dir, monkeypatch):
+    """Same quantized weights; with one prompt at a time, float32 decode steps run the op (1 row) under auto,
+    and the de-quantized matmul under fallback: they differ only in the order of float32 sums, <= in_features
+    * 2^-24 (64 here: ~4e-6) of each product's |terms|, a few such steps through 2 layers and the lm_head;
+    1e-4 of the log-probs' spread bounds it with a wide margin."""
+    auto = make(tiny_llava_dir, quantization="int4")
+    monkeypatch.setenv(ENV, "fallback")
+    fallback = make(tiny_llava_dir, quantization="int4")
+    assert not any(m.quant_mm for m in linears(fallback).values())
+    assert any(m.quant_mm for m in linears(auto).values()) == int4_mm_works(torch.float32)
+    vocab = auto.engine.model_config.hf_config.get_text_config().vocab_size
+    for prompt in PROMPTS:
+        ((ids_a, a),), ((ids_b, b),) = (greedy_logprobs(llm, [prompt], 4, vocab) for llm in (auto, fallback))
+        assert ids_a == ids_b
+        error, spread = float((a - b).abs().max()), float(a.std())
+        print(f"max |d logprob| {error:.2e}, spread {spread:.2f}")
+        assert error <= 1e-4 * spread
+
+
 def test_an_unknown_quantization_is_a_clear_error(tiny_llava_dir):
-    with pytest.raises(ValueError, match=r"Unsupported quantization 'int3'; supported: int8"):
+    with pytest.raises(ValueError, match=r"Unsupported quantization 'int3'; supported: int8, int4"):
         make(tiny_llava_dir, quantization="int3")

@@ -118,7 +118,8 @@ def _device_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, metavar="DTYPE",
                         help="float32, bfloat16 or float16 (default: auto, the model config's dtype)")  # fmt: skip
     parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
-                        help="quantize the language model's weights at load: int8 (per-channel)")  # fmt: skip
+                        help="quantize the language model's weights at load: int8 (per-channel) or int4 "
+                        "(groups of 32 inputs)")  # fmt: skip
 
 
 def _pipeline_options(parser: argparse.ArgumentParser) -> None:

@@ -8,9 +8,9 @@ plain `F.linear` (slower, never wrong).
 
 Int8 weight-only linears (`quantization`) run torch's `aten._weight_int8pack_mm` for the few rows of
 decode steps where a probe finds it exact for the activation dtype, else (and for prefill-sized
-inputs, where it is slower) a de-quantized weight and `F.linear`.
+inputs, where it is slower) a de-quantized weight and `F.linear`. Group-wise int4 ones: `int4_kernels`.
 
-`TESSERA_CPU_KERNELS=fallback` (default `auto`) forces `F.linear` (de-quantizing int8 weights) on any
+`TESSERA_CPU_KERNELS=fallback` (default `auto`) forces `F.linear` (de-quantizing int8/int4 weights) on any
 machine; it is read at each decision, so tests can set it. `ONEDNN_MAX_CPU_ISA=AVX2
 ATEN_CPU_CAPABILITY=avx2` emulates an AVX2-only CPU on a newer one.
 """
@@ -27,7 +27,8 @@ import torch.nn.functional as F
 ENV = "TESSERA_CPU_KERNELS"
 MODES = ("auto", "fallback")
 PACKED, FALLBACK = "onednn-packed", "fallback (F.linear)"
-INT8_MM, INT8_DEQUANT = "int8-weight-pack-mm", "fallback (de-quantize + F.linear)"
+DEQUANT = "fallback (de-quantize + F.linear)"
+INT8_MM = "int8-weight-pack-mm"
 
 # Most input rows for which `aten._weight_int8pack_mm` beats de-quantizing the weight once and running
 # F.linear, per activation dtype (measured on a 2-core AVX-512 CPU, a 3072 x 576 weight: the op does a
@@ -118,10 +119,10 @@ def int8_mm_works(dtype: torch.dtype) -> bool:
 
 
 def int8_kernel(dtype: torch.dtype, mode: Optional[str] = None) -> str:
-    """INT8_MM or INT8_DEQUANT: the kernel of a CPU int8 weight-only `Linear` with activations of `dtype`."""
+    """INT8_MM or DEQUANT: the kernel of a CPU int8 weight-only `Linear` with activations of `dtype`."""
     if kernel_mode(mode) == "fallback" or dtype not in INT8_MM_MAX_ROWS:
-        return INT8_DEQUANT
-    return INT8_MM if int8_mm_works(dtype) else INT8_DEQUANT
+        return DEQUANT
+    return INT8_MM if int8_mm_works(dtype) else DEQUANT
 
 
 def linear_kernel(dtype: torch.dtype, mode: Optional[str] = None) -> str:

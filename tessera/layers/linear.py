@@ -6,8 +6,10 @@ packs its model's linears after loading (`pack_linears_for_cpu`); the model code
 Only dtypes this CPU can pack are packed (`cpu_kernels`: e.g. no bfloat16 on AVX2-only CPUs); the
 others, or all under `TESSERA_CPU_KERNELS=fallback`, keep their dense weight and run `F.linear`.
 
-A `Linear` quantized at load (`quantization.quantize_linears`) holds int8 `qweight` [out, in] and
-per-output-channel `qscale` buffers instead of its float weight, and runs `cpu_kernels.int8_linear`.
+A `Linear` quantized at load (`quantization.quantize_linears`) holds `qweight` and `qscale` buffers
+instead of its float weight: int8 [out, in] values and a scale per output channel (`cpu_kernels.int8_linear`),
+or int4 values two a byte [out, in / 2] and a scale and zero per group of inputs and output channel
+[in / group, out, 2] (`int4_kernels.int4_linear`; for its op, `out` is padded to a multiple of 16).
 
 `MergedLinear` fuses projections that read the same input (q/k/v, gate/up) into one matmul; the
 loader fills each shard from the checkpoint tensor named after it.
@@ -22,22 +24,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cpu_kernels import PACKED, int8_linear, kernel_mode, linear_kernel, pack_weight, packed_linear
+from .int4_kernels import int4_linear
 
 
 class Linear(nn.Linear):
     packed_weight: Optional[torch.Tensor] = None
-    int8_mm: bool = False
-    """Whether a quantized layer runs `aten._weight_int8pack_mm` (for few rows) or de-quantizes."""
+    quantization: Optional[str] = None
+    """"int8" or "int4" once quantized (`qweight` / `qscale` hold the weight), else None."""
+    quant_mm: bool = False
+    """Whether a quantized layer runs torch's int8/int4 CPU op (for few rows) or de-quantizes (for int4 it
+    also says which layout `qweight` is packed in: the op's, else the portable one)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.register_buffer("qweight", None)  # int8 [out, in] once quantized
-        self.register_buffer("qscale", None)  # [out], the weight's dtype
+        self.register_buffer("qweight", None)  # int8 [out, in] / uint8 [out, in / 2] (int4) once quantized
+        self.register_buffer("qscale", None)  # [out] / [in / group, out, 2] (int4), the weight's dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             flat = x.reshape(-1, x.shape[-1])
-            out = int8_linear(flat, self.qweight, self.qscale, self.bias, self.int8_mm)
+            if self.quantization == "int4":
+                out = int4_linear(flat, self.qweight, self.qscale, self.bias, self.quant_mm, self.out_features)
+            else:
+                out = int8_linear(flat, self.qweight, self.qscale, self.bias, self.quant_mm)
             return out.view(*x.shape[:-1], out.shape[-1])
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
@@ -78,7 +87,7 @@ def pack_linears_for_cpu(model: nn.Module, batch_size_hint: int = 16, mode: Opti
         weight = getattr(module, "weight", None)
         if not isinstance(module, Linear) or weight is None or weight.device.type != "cpu":
             continue
-        if module.qweight is not None:  # int8 weight-only: its own kernels
+        if module.qweight is not None:  # int8/int4 weight-only: their own kernels
             continue
         if linear_kernel(weight.dtype, mode) != PACKED:
             continue

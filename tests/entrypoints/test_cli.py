@@ -246,6 +246,10 @@ def test_quantization_flag_reaches_the_engine_on_every_command(tiny_llava_dir, m
     assert code == 0 and out.strip()
     code, out = run(["chat", "--model", str(tiny_llava_dir), "--max-tokens", "4", "--quantization", "int8"], "Hi\n")
     assert code == 0
+    code, out = run(
+        ["generate", "Hello", "--model", str(tiny_llava_dir), "--max-tokens", "4", "--quantization", "int4"]
+    )
+    assert code == 0 and out.strip()
     with pytest.raises(SystemExit):
-        run(["generate", "Hello", "--model", str(tiny_llava_dir), "--quantization", "int4"])
-    assert "invalid choice: 'int4'" in capsys.readouterr().err
+        run(["generate", "Hello", "--model", str(tiny_llava_dir), "--quantization", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Kernel choice per dtype: the probe, the TESSERA_CPU_KERNELS switch, the start-up line."""
+"""Kernel choice per dtype: the probes, the TESSERA_CPU_KERNELS switch, the start-up line."""
 
 from __future__ import annotations
 
