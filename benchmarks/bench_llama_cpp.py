@@ -5,6 +5,7 @@ that file once into F32, F16 and Q8_0 files (kept in `--workdir`); Tessera loads
     llama.cpp F32  vs  Tessera float32
     llama.cpp F16  vs  Tessera bfloat16
     llama.cpp Q8_0 vs  Tessera int8 weights (bfloat16 activations)
+    llama.cpp Q4_1 vs  Tessera int4 weights in groups of 32 (bfloat16 activations; the package's own file)
 
 Per pair, the same token ids go to both (a chat prompt through the file's chat template), greedy, EOS
 ignored, the same thread count (llama.cpp n_threads and n_threads_batch, torch.set_num_threads):
@@ -43,6 +44,7 @@ PAIRS = [  # (llama.cpp file type, Tessera name, Tessera LLM options); Tessera a
     ("F32", "float32", dict(dtype="float32")),
     ("F16", "bfloat16", dict(dtype="bfloat16")),
     ("Q8_0", "int8", dict(dtype="bfloat16", quantization="int8")),
+    ("Q4_1", "int4", dict(dtype="bfloat16", quantization="int4")),  # both: a scale and a minimum per 32 weights
 ]
 FTYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "F16": "LLAMA_FTYPE_MOSTLY_F16", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
 QUESTIONS = [
@@ -85,9 +87,12 @@ def source_gguf() -> Path:
 
 
 def requantized(source: Path, workdir: Path, file_type: str) -> Path:
-    """`source` re-quantized by llama.cpp into `file_type` (made once, then kept in `workdir`)."""
+    """`source` re-quantized by llama.cpp into `file_type` (made once, then kept in `workdir`); Q4_1 is the
+    source itself."""
     import llama_cpp
 
+    if file_type == "Q4_1":
+        return source
     path = workdir / source.name.replace("Q4_1", file_type)
     if not path.is_file():
         workdir.mkdir(parents=True, exist_ok=True)
@@ -192,12 +197,15 @@ def main() -> None:
     parser.add_argument("--answer-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "tessera" / "bench")
+    parser.add_argument("--pairs", nargs="+", default=[p[0] for p in PAIRS], choices=[p[0] for p in PAIRS],
+                        help="the llama.cpp file types to compare (each with its Tessera counterpart)")  # fmt: skip
     parser.add_argument("--show-answers", action="store_true", help="print every answer of every engine")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     source = source_gguf()
-    files = {file_type: requantized(source, args.workdir, file_type) for file_type, _, _ in PAIRS}
+    pairs = [pair for pair in PAIRS if pair[0] in args.pairs]
+    files = {file_type: requantized(source, args.workdir, file_type) for file_type in {"F32", *args.pairs}}
     tokenizer = load_gguf_tokenizer(source)
     stop_ids = frozenset(read_gguf_metadata(source).stop_token_ids)
 
@@ -214,7 +222,7 @@ def main() -> None:
     )
     results: dict[str, dict[str, float]] = {}
     answers: dict[str, list[str]] = {}
-    for file_type, tessera_name, options in PAIRS:
+    for file_type, tessera_name, options in pairs:
         print(f"\nllama.cpp {file_type} vs Tessera {tessera_name} (other processes busy: {busy_cores():.1f} cores)")
         engines = [LlamaCpp(files[file_type], args.threads), Tessera(files["F32"], tessera_name, options)]
         for engine in engines:
@@ -250,12 +258,16 @@ def main() -> None:
     print(f"\nsame answer text, of {len(QUESTIONS)} prompts (greedy, up to {args.answer_tokens} tokens):")
     for a, b in [
         ("Tessera int8", "Tessera bfloat16"),
+        ("Tessera int4", "Tessera bfloat16"),
         ("Tessera bfloat16", "Tessera float32"),
         ("llama.cpp Q8_0", "llama.cpp F16"),
         ("llama.cpp Q8_0", "llama.cpp F32"),
+        ("llama.cpp Q4_1", "llama.cpp F16"),
         ("llama.cpp F16", "llama.cpp F32"),
         ("Tessera float32", "llama.cpp F32"),
     ]:
+        if a not in answers or b not in answers:
+            continue
         same = sum(x == y for x, y in zip(answers[a], answers[b]))
         print(f"  {a:16s} vs {b:16s} {same:2d}/{len(QUESTIONS)}")
     if args.show_answers:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,9 @@ from typing import Any, Optional
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from .gguf_file import find_gguf_file, load_gguf_config
+from .gguf_file import find_gguf_file, gguf_quantization, load_gguf_config
+
+logger = logging.getLogger(__name__)
 
 DTYPE_NAMES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -34,13 +37,21 @@ QUANTIZATION_METHODS = ("int8", "int4")
 group of 32 inputs of an output channel."""
 
 
-def check_quantization(value: Optional[str]) -> Optional[str]:
-    """None (no quantization) or a name of QUANTIZATION_METHODS (any case); anything else raises."""
+AUTO_QUANTIZATION = "auto"
+"""`ModelConfig.quantization="auto"`: a GGUF file's matrices stay about as small as the file has them
+(`gguf_file.gguf_quantization`: 4-bit types -> "int4", 8-bit -> "int8", float -> none); other checkpoints
+are not quantized."""
+
+
+def check_quantization(value: Optional[str], *, allow_auto: bool = False) -> Optional[str]:
+    """None (no quantization) or a name of QUANTIZATION_METHODS (any case), or "auto" where `allow_auto`;
+    anything else raises."""
     if value is None or (isinstance(value, str) and value.lower() in ("none", "")):
         return None
-    if isinstance(value, str) and value.lower() in QUANTIZATION_METHODS:
+    if isinstance(value, str) and (value.lower() in QUANTIZATION_METHODS or allow_auto and value.lower() == "auto"):
         return value.lower()
-    raise ValueError(f"Unsupported quantization {value!r}; supported: {', '.join(QUANTIZATION_METHODS)} (or None).")
+    supported = ", ".join(QUANTIZATION_METHODS + ((AUTO_QUANTIZATION,) if allow_auto else ()))
+    raise ValueError(f"Unsupported quantization {value!r}; supported: {supported} (or None).")
 
 
 def default_device() -> str:
@@ -123,8 +134,9 @@ class ModelConfig:
     quantization: Optional[str] = None
     """Weight quantization at load, one of QUANTIZATION_METHODS ("int8": the language model's linear
     layers, lm_head included, get int8 weights with a scale per output channel; "int4": 4-bit weights with
-    a scale and zero per group of 32 inputs; the vision tower and projector keep their dtype); None: the
-    checkpoint's weights in `dtype`."""
+    a scale and zero per group of 32 inputs; the vision tower and projector keep their dtype); "auto": for a
+    GGUF file, the method that keeps its matrices about as small as the file has them (AUTO_QUANTIZATION),
+    None otherwise; None: the checkpoint's weights in `dtype`."""
 
     allow_pickle: bool = False
     """Load .bin/.pt weights (pickle, which can run code) when there are no .safetensors."""
@@ -152,7 +164,15 @@ class ModelConfig:
         if self.dtype == "auto":
             self.dtype = getattr(self.hf_config, "dtype", None) or torch.float32
         self.dtype = parse_dtype(self.dtype)
-        self.quantization = check_quantization(self.quantization)
+        self.quantization = check_quantization(self.quantization, allow_auto=True)
+        if self.quantization == AUTO_QUANTIZATION:
+            self.quantization = gguf_quantization(gguf_file) if gguf_file is not None else None
+            logger.info("quantization='auto': %s", self.quantization or "none (dense weights)")
+        elif gguf_file is not None and self.quantization is None and gguf_quantization(gguf_file) is not None:
+            logger.info(
+                "The GGUF file's weights are de-quantized to %s; quantization='auto' keeps them %s (less memory, "
+                "faster decode with dtype='bfloat16')", self.dtype, gguf_quantization(gguf_file),
+            )  # fmt: skip
         self.vision_dtype = parse_dtype(self.vision_dtype or self.dtype, "vision_dtype")
         self.projector_dtype = parse_dtype(self.projector_dtype or self.dtype, "projector_dtype")
         self.device = default_device() if self.device in (None, "auto") else self.device

@@ -99,6 +99,8 @@ class GGUFMetadata:
     add_eos_token: Optional[bool]
     chat_template: Optional[str]
     tensor_names: tuple[str, ...]
+    weight_types: dict[str, int]
+    """Weight elements of the file's matrices (2-D tensors) by GGML type name ("Q4_K", "F16", ...)."""
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -152,7 +154,33 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
         add_eos_token=flag("add_eos_token"),
         chat_template=scalar("tokenizer.chat_template"),
         tensor_names=tuple(tensor.name for tensor in reader.tensors),
+        weight_types=_weight_types(reader),
     )
+
+
+def _weight_types(reader: Any) -> dict[str, int]:
+    types: dict[str, int] = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) == 2:
+            types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + int(tensor.n_elements)
+    return types
+
+
+GGUF_INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"})
+"""GGML types of at most ~5 bits a weight (block-wise, a scale and often a minimum per 16-32 weights): the
+matrices of such a file are kept as group-wise int4 under quantization="auto"."""
+GGUF_INT8_TYPES = frozenset({"Q8_0", "Q8_1", "Q8_K", "Q6_K"})
+"""6-8 bits a weight: kept as int8 under quantization="auto"."""
+
+
+def gguf_quantization(path: Union[str, Path]) -> Optional[str]:
+    """The weight quantization that keeps a GGUF file's matrices about as small as the file has them
+    ("int4", "int8"), or None (dense) for float files: by the type holding most of the weight elements."""
+    types = read_gguf_metadata(path).weight_types
+    if not types:
+        return None
+    main = max(types, key=types.get)
+    return "int4" if main in GGUF_INT4_TYPES else "int8" if main in GGUF_INT8_TYPES else None
 
 
 def _reader(path: str) -> Any:

@@ -13,6 +13,7 @@ from tessera.gguf_file import (
     find_gguf_file,
     fix_gguf_config,
     fix_gguf_tokenizer,
+    gguf_quantization,
     load_gguf_config,
     load_gguf_tokenizer,
     read_gguf_metadata,
@@ -118,6 +119,34 @@ def test_model_config_of_a_gguf_file(tiny_gguf):
     assert config.architectures == ["LlamaForCausalLM"] and config.hf_config.tie_word_embeddings
     assert config.dtype.is_floating_point and str(config.dtype) == "torch.float32"  # de-quantized weights
     assert ModelConfig(str(tiny_gguf.parent)).gguf_file == str(tiny_gguf)
+
+
+WIDE = dict(hidden_size=256, intermediate_size=512)  # K-quant rows are 256 long
+
+
+@pytest.mark.parametrize(
+    "weight_type, expected",
+    [("F32", None), ("F16", None), ("Q8_0", "int8"), ("Q6_K", "int8"), ("Q4_0", "int4"), ("Q4_1", "int4"),
+     ("Q4_K", "int4")],
+)  # fmt: skip
+def test_auto_quantization_keeps_the_files_bits(tmp_path, weight_type, expected):
+    wide = WIDE if weight_type.endswith("_K") else {}
+    path = build_tiny_gguf(tmp_path / "m.gguf", weight_type=weight_type, **wide)
+    types = read_gguf_metadata(path).weight_types
+    # every matrix of the file: the embedding and seven per layer (tied: no output.weight)
+    hidden, inter = wide.get("hidden_size", 32), wide.get("intermediate_size", 64)
+    per_layer = hidden * hidden * 2 + hidden * (hidden // 2) * 2 + 3 * hidden * inter  # q, o, k, v; gate, up, down
+    assert sum(types.values()) == 267 * hidden + 2 * per_layer
+    assert max(types, key=types.get) == weight_type
+    assert gguf_quantization(path) == expected
+    assert ModelConfig(str(path), quantization="auto").quantization == expected
+    assert ModelConfig(str(path)).quantization is None  # dense unless asked: HF's de-quantized weights
+
+
+def test_auto_quantization_of_a_hugging_face_folder_is_none(tiny_llava_dir):
+    assert ModelConfig(str(tiny_llava_dir), quantization="auto").quantization is None
+    with pytest.raises(ValueError, match="supported: int8, int4, auto"):
+        ModelConfig(str(tiny_llava_dir), quantization="int3")
 
 
 # ---- tokenizer ----------------------------------------------------------------------------------------

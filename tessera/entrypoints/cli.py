@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from .. import DEMO_MODEL
-from ..config import QUANTIZATION_METHODS
+from ..config import AUTO_QUANTIZATION, QUANTIZATION_METHODS
 from ..gguf_file import find_gguf_file
 from ..multimodal.media import LOCAL_FILES, MediaPolicy, check_media_io_kwargs, load_image_url, load_video_url
 from ..sampling_params import SamplingParams
@@ -117,9 +117,10 @@ def _device_options(parser: argparse.ArgumentParser) -> None:
                         help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:1")  # fmt: skip
     parser.add_argument("--dtype", default=None, metavar="DTYPE",
                         help="float32, bfloat16 or float16 (default: auto, the model config's dtype)")  # fmt: skip
-    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+    parser.add_argument("--quantization", default=None, choices=(*QUANTIZATION_METHODS, AUTO_QUANTIZATION),
                         help="quantize the language model's weights at load: int8 (per-channel) or int4 "
-                        "(groups of 32 inputs)")  # fmt: skip
+                        "(groups of 32 inputs); auto: a GGUF file's weights stay about as small as the file "
+                        "has them (4-bit types -> int4, 8-bit -> int8)")  # fmt: skip
 
 
 def _pipeline_options(parser: argparse.ArgumentParser) -> None:

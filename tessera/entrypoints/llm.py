@@ -22,7 +22,8 @@ class LLM:
     SchedulerConfig and MultiModalConfig, e.g. `dtype`, `kv_cache_memory`, `block_size`,
     `max_num_batched_tokens`, `enable_prefix_caching`, `free_out_of_window_blocks`, `limit_mm_per_prompt`,
     `mm_processor_kwargs` (HF processor kwargs for every prompt), `quantization` ("int8": int8 weights for the
-    language model's linears; "int4": 4-bit weights in groups of 32 inputs)."""
+    language model's linears; "int4": 4-bit weights in groups of 32 inputs; "auto": a GGUF file's weights stay
+    about as small as the file has them)."""
 
     def __init__(self, model: str, **options: Any) -> None:
         self.engine = LLMEngine.from_options(model, **options)

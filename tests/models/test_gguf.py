@@ -94,3 +94,21 @@ def test_tensors_the_conversion_cannot_place_are_an_error(tmp_path):
 def test_llama_cpp_rope_factors_are_recomputed_not_loaded(tmp_path):
     path = build_tiny_gguf(tmp_path / "m.gguf", extra_tensors=("rope_freqs.weight",))
     load_model(ModelConfig(str(path), device="cpu"))
+
+
+def test_a_q4_1_file_keeps_its_weights_as_int4(tmp_path):
+    """Q4_1 blocks are 32 weights on a grid of 16 steps from the block's minimum to its maximum (llama.cpp's
+    quantizer puts both extremes on the grid's ends); quantization="auto" maps them to int4 groups of 32 whose
+    grid is that one, so the int4 model computes HF's de-quantized weights up to float32 rounding. (Q4_0's
+    symmetric grid need not reach the block's maximum: its weights are re-quantized, not kept.)"""
+    weight_type = "Q4_1"
+    path = build_tiny_gguf(tmp_path / "m.gguf", weight_type=weight_type)
+    model = load_model(ModelConfig(str(path), device="cpu", quantization="auto"))
+    layers = [m for m in model.modules() if getattr(m, "quantization", None) is not None]
+    assert len(layers) == 2 * 4 + 1 and {m.quantization for m in layers} == {"int4"}  # qkv, o, gate_up, down; lm_head
+    ids = torch.randint(0, 267, (9,), generator=torch.Generator().manual_seed(1))
+    allocate_kv_cache(model, num_blocks=4, block_size=4, dtype=torch.float32)
+    with torch.no_grad(), attention_metadata(AttentionMetadata.build([9], [9], [[2, 0, 3]], block_size=4)):
+        ours = model.compute_logits(model(ids, torch.arange(9)))
+        expected = hf_model(path)(ids[None]).logits[0]
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
