@@ -60,28 +60,22 @@ def main() -> None:
     engine = llm.engine
     totals: dict[str, float] = defaultdict(float)
     hook_times(engine.model, totals)
-    sample, forward = model_runner.sample, engine.model.forward
+    sample = model_runner.sample
 
-    def timed_sample(*a, **k):
-        start = time.perf_counter()
-        try:
-            return sample(*a, **k)
-        finally:
-            totals["sampler"] += time.perf_counter() - start
-
-    def timed(function):
+    def timed(function, part: str):
         def wrapper(*a, **k):
             start = time.perf_counter()
             try:
                 return function(*a, **k)
             finally:
-                totals["forward"] += time.perf_counter() - start
+                totals[part] += time.perf_counter() - start
 
         return wrapper
 
     # the decoder and the lm_head (compute_logits): the modules of PARTS run inside one or the other
-    engine.model.forward, engine.model.compute_logits = timed(forward), timed(engine.model.compute_logits)
-    model_runner.sample = timed_sample
+    model = engine.model
+    model.forward, model.compute_logits = timed(model.forward, "forward"), timed(model.compute_logits, "forward")
+    model_runner.sample = timed(sample, "sampler")
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
     engine.add_request("profile", PROMPT, params)
     engine.step()  # the prefill: not counted

@@ -100,14 +100,17 @@ def test_the_int8_kernel_takes_unaligned_inputs(dtype):
     torch.testing.assert_close(out.double(), _reference(x, layer), rtol=2**-7, atol=1e-3)
 
 
-def test_kernel_choice_follows_the_probe_and_the_switch(monkeypatch):
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_kernel_choice_follows_the_probe_and_the_switch(monkeypatch, method):
+    kernel, works, op = (
+        (int8_kernel, int8_mm_works, INT8_MM) if method == "int8" else (int4_kernel, int4_mm_works, INT4_MM)
+    )
     monkeypatch.delenv(ENV, raising=False)
-    auto = INT8_MM if int8_mm_works(torch.bfloat16) else DEQUANT
-    assert int8_kernel(torch.bfloat16) == auto
+    assert kernel(torch.bfloat16) == (op if works(torch.bfloat16) else DEQUANT)
     monkeypatch.setenv(ENV, "fallback")
-    assert int8_kernel(torch.bfloat16) == DEQUANT
-    assert int8_kernel(torch.float64, "auto") == DEQUANT  # not a dtype the op takes
-    assert int8_kernel(torch.float16, "auto") == DEQUANT  # it takes it, but never beats de-quantizing
+    assert kernel(torch.bfloat16) == DEQUANT
+    assert kernel(torch.float64, "auto") == DEQUANT  # not a dtype the op takes
+    assert kernel(torch.float16, "auto") == DEQUANT  # it takes it, but never beats de-quantizing
 
 
 class _TinyLM(nn.Module):
@@ -275,16 +278,6 @@ def test_int4_fallback_dequantizes_bit_for_bit_as_the_op(dtype):
     with torch.no_grad():
         seen = int4_mm(identity, layer.qweight, layer.qscale).t()
     assert torch.equal(seen, dequantize_int4(layer.qweight, layer.qscale, int4_layout()).to(dtype))
-
-
-def test_int4_kernel_choice_follows_the_probe_and_the_switch(monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
-    auto = INT4_MM if int4_mm_works(torch.bfloat16) else DEQUANT
-    assert int4_kernel(torch.bfloat16) == auto
-    monkeypatch.setenv(ENV, "fallback")
-    assert int4_kernel(torch.bfloat16) == DEQUANT
-    assert int4_kernel(torch.float64, "auto") == DEQUANT  # not a dtype the op takes
-    assert int4_kernel(torch.float16, "auto") == DEQUANT  # it takes it, but never beats de-quantizing
 
 
 class _TinyLM4(_TinyLM):

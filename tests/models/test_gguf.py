@@ -19,6 +19,14 @@ pytest.importorskip("gguf", reason="the gguf package writes and reads the test f
 MESSAGES = [{"role": "user", "content": "Where is the tower? Paris is"}]
 
 
+def prefill_logits(model, path):
+    """(Tessera's, HF's) logits of 9 random tokens through the model loaded from the GGUF file at `path`."""
+    ids = torch.randint(0, 267, (9,), generator=torch.Generator().manual_seed(1))
+    allocate_kv_cache(model, num_blocks=4, block_size=4, dtype=torch.float32)
+    with torch.no_grad(), attention_metadata(AttentionMetadata.build([9], [9], [[2, 0, 3]], block_size=4)):
+        return model.compute_logits(model(ids, torch.arange(9))), hf_model(path)(ids[None]).logits[0]
+
+
 def hf_model(path):
     pytest.importorskip("accelerate", reason="transformers loads a GGUF model only with accelerate installed")
     from transformers import AutoModelForCausalLM
@@ -46,11 +54,7 @@ def test_prefill_logits_match_hf(tmp_path, tied, weight_type):
     model = load_model(ModelConfig(str(path), device="cpu"))
     assert type(model).__name__ == "LlamaForCausalLM"
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-    ids = torch.randint(0, 267, (9,), generator=torch.Generator().manual_seed(1))
-    allocate_kv_cache(model, num_blocks=4, block_size=4, dtype=torch.float32)
-    with torch.no_grad(), attention_metadata(AttentionMetadata.build([9], [9], [[2, 0, 3]], block_size=4)):
-        ours = model.compute_logits(model(ids, torch.arange(9)))
-        expected = hf_model(path)(ids[None]).logits[0]
+    ours, expected = prefill_logits(model, path)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=0)
 
 
@@ -106,9 +110,5 @@ def test_a_q4_1_file_keeps_its_weights_as_int4(tmp_path):
     model = load_model(ModelConfig(str(path), device="cpu", quantization="auto"))
     layers = [m for m in model.modules() if getattr(m, "quantization", None) is not None]
     assert len(layers) == 2 * 4 + 1 and {m.quantization for m in layers} == {"int4"}  # qkv, o, gate_up, down; lm_head
-    ids = torch.randint(0, 267, (9,), generator=torch.Generator().manual_seed(1))
-    allocate_kv_cache(model, num_blocks=4, block_size=4, dtype=torch.float32)
-    with torch.no_grad(), attention_metadata(AttentionMetadata.build([9], [9], [[2, 0, 3]], block_size=4)):
-        ours = model.compute_logits(model(ids, torch.arange(9)))
-        expected = hf_model(path)(ids[None]).logits[0]
+    ours, expected = prefill_logits(model, path)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
