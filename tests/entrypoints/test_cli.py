@@ -253,3 +253,5 @@ def test_quantization_flag_reaches_the_engine_on_every_command(tiny_llava_dir, m
     with pytest.raises(SystemExit):
         run(["generate", "Hello", "--model", str(tiny_llava_dir), "--quantization", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+    assert run(["serve", str(tiny_llava_dir), "--quantization", "auto"])[0] == 0
+    assert seen.get("quantization") == "auto"  # ModelConfig resolves it (tests/test_gguf_file.py)
