@@ -217,12 +217,12 @@ class Gemma3MultiModalProcessor(BaseMultiModalProcessor[Gemma3ProcessingInfo]):
         self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object]
     ) -> BatchFeature:
         """HF's outputs and each image's number of crops (HF computes it but drops it). The pan-and-scan
-        settings go to the call as images_kwargs: passed to the constructor (where the kwargs routing
-        puts the image processor's parameters) they would lose to Gemma3Processor's class defaults."""
+        settings go to the call (`multimodal.context.split_mm_kwargs`: Gemma3Processor's class defaults
+        override what its image processor was constructed with)."""
         images = mm_data.get("images")
         if not images:
             return super()._call_hf_processor(prompt, mm_data, mm_kwargs)
-        data = dict(text=prompt, **mm_data, images_kwargs=self.info.pan_and_scan_settings(mm_kwargs))
+        data = dict(text=prompt, **mm_data)
         processed = self.info.ctx.call_hf_processor(self.info.get_hf_processor(**mm_kwargs), data, mm_kwargs)
         sizes = [image_size_of(image) for image in images]
         num_crops = [

@@ -237,7 +237,28 @@ def _call_kwarg_names(fn: Callable[..., Any]) -> tuple[frozenset[str], bool, fro
             data_params.add(param.name)  # text, images, audio, videos: data, not options
         elif param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
             names.add(param.name)
+    if isinstance(fn, ProcessorMixin) and not open_call:
+        names |= _call_default_names(type(fn))
     return frozenset(names - data_params), open_call, frozenset(data_params)
+
+
+_CALL_DEFAULTS = ("text_kwargs", "images_kwargs", "videos_kwargs", "audio_kwargs")
+
+
+def _call_default_names(processor_class: type) -> set[str]:
+    """Keys a transformers 5 processor class gives call-time defaults (class attributes such as Gemma 3's
+    ``images_kwargs = {"do_pan_and_scan": False, ...}``) and its ``valid_processor_kwargs`` names: the call
+    takes them, and its defaults override what a sub-processor was constructed with, so they must go to
+    the call to count."""
+    names: set[str] = set()
+    for attribute in _CALL_DEFAULTS:
+        defaults = getattr(processor_class, attribute, None)
+        if isinstance(defaults, Mapping):
+            names |= set(defaults)
+    valid = getattr(processor_class, "valid_processor_kwargs", None)
+    if typing_extensions.is_typeddict(valid):
+        names |= _typed_kwargs_names(typing_extensions.Unpack[valid]) or set()
+    return names
 
 
 def _typed_kwargs_names(annotation: Any) -> Optional[set[str]]:

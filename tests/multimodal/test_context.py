@@ -178,6 +178,17 @@ def test_the_split_of_llava_kwargs(tiny_llava_dir):
     assert sorted(split.dropped) == ["size_x", "tokenizer"]
 
 
+def test_keys_a_processor_class_defaults_at_call_time_go_to_the_call(tmp_path):
+    # Gemma3Processor's class attribute images_kwargs = {"do_pan_and_scan": False, ...} overrides at call time
+    # what its image processor was constructed with: passed to the constructor, the option would be ignored.
+    from tessera.testing.gemma3 import build_tiny_gemma3
+
+    processor = AutoProcessor.from_pretrained(build_tiny_gemma3(tmp_path / "gemma3"))
+    assert processor.images_kwargs["do_pan_and_scan"] is False  # the class default this is about
+    split = split_mm_kwargs(processor, {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 2})
+    assert split.call == {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 2} and not split.constructor
+
+
 def test_use_fast_goes_to_from_pretrained(tiny_llava_dir):
     assert split_mm_kwargs(context(tiny_llava_dir).get_hf_processor(), {"use_fast": True}).constructor == {
         "use_fast": True

@@ -1,4 +1,4 @@
-"""The tiling VLMs (LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM) behind the OpenAI-compatible
+"""The tiling VLMs (LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM) and Gemma 3 behind the OpenAI-compatible
 server, on tiny checkpoints: the official `openai` client sends two images in one message and gets HF
 `generate`'s greedy answer for the same chat template and images, and `/tokenize` gives the HF
 processor's tokens for one image of each size of a table (tiny, square, very wide, very tall, larger
@@ -20,6 +20,7 @@ from tessera.entrypoints.openai.api_server import build_app
 from tessera.entrypoints.openai.http_server import ServerThread
 from tessera.multimodal.media import MediaPolicy
 from tessera.testing import random_images
+from tessera.testing.gemma3 import build_tiny_gemma3
 from tessera.testing.idefics3 import build_tiny_idefics3, build_tiny_smolvlm
 from tessera.testing.llava_next import build_tiny_llava_next, build_tiny_llava_onevision
 
@@ -28,6 +29,7 @@ BUILDERS = {
     "llava_onevision": build_tiny_llava_onevision,
     "idefics3": build_tiny_idefics3,
     "smolvlm": build_tiny_smolvlm,
+    "gemma3": build_tiny_gemma3,
 }
 QUESTION, MAX_TOKENS = "Compare the two pictures.", 8
 TWO_IMAGES = [(60, 40), (30, 90)]  # (width, height)
@@ -45,9 +47,16 @@ def messages(images, question: str = QUESTION) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 
-def hf_text(processor, num_images: int, question: str = QUESTION) -> str:
-    content = [*({"type": "image"} for _ in range(num_images)), {"type": "text", "text": question}]
-    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+def hf_inputs(processor, images, question: str = QUESTION, **kwargs):
+    """The HF processor's inputs for the chat: its template rendered, then tokenized with the images. A
+    template that writes the BOS itself (Gemma 3's) gets no second one from the tokenizer, as HF's own
+    `apply_chat_template(tokenize=True)` tokenizes without special tokens."""
+    content = [*({"type": "image"} for _ in images), {"type": "text", "text": question}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    bos = processor.tokenizer.bos_token
+    if bos and text.startswith(bos):
+        kwargs["add_special_tokens"] = False
+    return processor(text=text, images=images, **kwargs)
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
@@ -73,7 +82,7 @@ def test_two_images_in_one_message_get_hf_answer(served):
         model="tiny", messages=messages(images), max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
     )
     processor = AutoProcessor.from_pretrained(folder)
-    inputs = processor(text=hf_text(processor, 2), images=images, return_tensors="pt")
+    inputs = hf_inputs(processor, images, return_tensors="pt")
     model = AutoModelForImageTextToText.from_pretrained(folder).eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
@@ -88,5 +97,5 @@ def test_tokenize_counts_as_hf(served, size):
     (image,) = random_images([size], seed=1)
     counted = httpx.post(url + "/tokenize", json={"messages": messages([image], "What is it?")}, timeout=60).json()
     processor = AutoProcessor.from_pretrained(folder)
-    hf_ids = processor(text=hf_text(processor, 1, "What is it?"), images=[image])["input_ids"][0]
+    hf_ids = hf_inputs(processor, [image], "What is it?")["input_ids"][0]
     assert counted["tokens"] == list(hf_ids) and counted["count"] == len(hf_ids)
