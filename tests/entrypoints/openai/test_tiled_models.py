@@ -1,4 +1,4 @@
-"""The tiling VLMs (LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM) and Gemma 3 behind the OpenAI-compatible
+"""The tiling VLMs (LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM), Gemma 3 and Mistral 3 behind the OpenAI-compatible
 server, on tiny checkpoints: the official `openai` client sends two images in one message and gets HF
 `generate`'s greedy answer for the same chat template and images, and `/tokenize` gives the HF
 processor's tokens for one image of each size of a table (tiny, square, very wide, very tall, larger
@@ -23,6 +23,7 @@ from tessera.testing import random_images
 from tessera.testing.gemma3 import build_tiny_gemma3
 from tessera.testing.idefics3 import build_tiny_idefics3, build_tiny_smolvlm
 from tessera.testing.llava_next import build_tiny_llava_next, build_tiny_llava_onevision
+from tessera.testing.mistral3 import build_tiny_mistral3
 
 BUILDERS = {
     "llava_next": build_tiny_llava_next,
@@ -30,6 +31,7 @@ BUILDERS = {
     "idefics3": build_tiny_idefics3,
     "smolvlm": build_tiny_smolvlm,
     "gemma3": build_tiny_gemma3,
+    "mistral3": build_tiny_mistral3,
 }
 QUESTION, MAX_TOKENS = "Compare the two pictures.", 8
 TWO_IMAGES = [(60, 40), (30, 90)]  # (width, height)
