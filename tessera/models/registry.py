@@ -23,6 +23,7 @@ _BUILTIN_MODELS = {
     "Idefics3ForConditionalGeneration": "tessera.models.idefics3:Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration": "tessera.models.smolvlm:SmolVLMForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "tessera.models.gemma3_mm:Gemma3ForConditionalGeneration",
+    "InternVLForConditionalGeneration": "tessera.models.internvl:InternVLForConditionalGeneration",
     "Mistral3ForConditionalGeneration": "tessera.models.mistral3:Mistral3ForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "tessera.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
