@@ -1,8 +1,8 @@
-"""The tiling VLMs (LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM), Gemma 3 and Mistral 3 behind the OpenAI-compatible
-server, on tiny checkpoints: the official `openai` client sends two images in one message and gets HF
-`generate`'s greedy answer for the same chat template and images, and `/tokenize` gives the HF
-processor's tokens for one image of each size of a table (tiny, square, very wide, very tall, larger
-than the largest grid)."""
+"""The tiling VLMs (LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM), Gemma 3, Mistral 3 and InternVL
+behind the OpenAI-compatible server, on tiny checkpoints: the official `openai` client sends two images
+in one message and gets HF `generate`'s greedy answer for the same chat template and images, and
+`/tokenize` gives the HF processor's tokens for one image of each size of a table (tiny, square, very
+wide, very tall, larger than the largest grid)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from tessera.multimodal.media import MediaPolicy
 from tessera.testing import random_images
 from tessera.testing.gemma3 import build_tiny_gemma3
 from tessera.testing.idefics3 import build_tiny_idefics3, build_tiny_smolvlm
+from tessera.testing.internvl import build_tiny_internvl
 from tessera.testing.llava_next import build_tiny_llava_next, build_tiny_llava_onevision
 from tessera.testing.mistral3 import build_tiny_mistral3
 
@@ -32,6 +33,7 @@ BUILDERS = {
     "smolvlm": build_tiny_smolvlm,
     "gemma3": build_tiny_gemma3,
     "mistral3": build_tiny_mistral3,
+    "internvl": build_tiny_internvl,
 }
 QUESTION, MAX_TOKENS = "Compare the two pictures.", 8
 TWO_IMAGES = [(60, 40), (30, 90)]  # (width, height)
