@@ -20,7 +20,6 @@ the patch grid.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
@@ -233,11 +232,7 @@ class Mistral3ForConditionalGeneration(nn.Module, SupportsMultiModal):
             raise ValueError(f"vision_feature_layer must be one layer index, got {config.vision_feature_layer!r}")
         self.vision_tower = PixtralVisionModel(config.vision_config)
         self.multi_modal_projector = Mistral3MultiModalProjector(config)
-        # HF ties lm_head to the embeddings by the outer config's tie_word_embeddings, not the text config's
-        outer = copy.copy(config)
-        outer.text_config = copy.copy(config.text_config)
-        outer.text_config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.language_model = ModelRegistry.build_language_model(outer)
+        self.language_model = ModelRegistry.build_language_model(config)
         self.placeholder_token_id = config.image_token_index
 
     def get_language_model(self) -> nn.Module:

@@ -3,6 +3,7 @@ and a multimodal model's `text_config.model_type` -> the class of its language m
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 from collections.abc import Sequence
@@ -86,12 +87,15 @@ class _ModelRegistry:
         return _load(self._text_models, model_type)
 
     def build_language_model(self, config: PretrainedConfig) -> nn.Module:
-        """The language model of a multimodal `config`, built from its `text_config`. transformers 5
-        keeps `tie_word_embeddings` on the outer config for some models (Qwen2-VL, Idefics3); the
-        text config inherits it when it has none of its own."""
-        text_config = config.text_config
-        if not hasattr(text_config, "tie_word_embeddings"):
-            text_config.tie_word_embeddings = config.tie_word_embeddings
+        """The language model of a multimodal `config`, built from a copy of its `text_config`. In
+        transformers 5 the lm_head belongs to the outer model, so the outer config's `tie_word_embeddings`
+        decides whether it is tied (`PreTrainedModel.get_expanded_tied_weights_keys` reads the model's own
+        config), whatever the text config says (Mistral 3, InternVL) or when it says nothing (Qwen2-VL,
+        Idefics3); the text config's own value counts only where the outer config has none."""
+        text_config = copy.copy(config.text_config)
+        outer = getattr(config, "tie_word_embeddings", None)
+        if outer is not None:
+            text_config.tie_word_embeddings = bool(outer)
         return self.resolve_text_model_cls(text_config)(text_config)
 
     def resolve_model_cls(self, architectures: Sequence[str]) -> tuple[type, str]:

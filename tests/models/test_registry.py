@@ -85,8 +85,9 @@ def test_a_llava_builds_the_language_model_its_text_config_names(tmp_path):
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
 
 
-def test_a_language_model_inherits_tie_word_embeddings_from_the_outer_config():
-    """transformers 5 keeps tie_word_embeddings on Qwen2-VL's outer config, not its text config."""
+def test_a_language_model_ties_its_head_as_the_outer_config_says():
+    """In transformers 5 the lm_head is the outer model's, tied by the outer config's tie_word_embeddings:
+    Qwen2-VL's text config has none; a text config that says otherwise does not count, and is not changed."""
     from transformers import Qwen2VLConfig
 
     rope = {"rope_type": "default", "mrope_section": [1, 1, 2]}
@@ -96,3 +97,7 @@ def test_a_language_model_inherits_tie_word_embeddings_from_the_outer_config():
         config = Qwen2VLConfig(text_config=text, tie_word_embeddings=tied)
         model = ModelRegistry.build_language_model(config)
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        config.text_config.tie_word_embeddings = not tied
+        model = ModelRegistry.build_language_model(config)
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        assert config.text_config.tie_word_embeddings is (not tied)
