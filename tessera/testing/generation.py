@@ -49,3 +49,47 @@ def hf_greedy_tokens(hf_model: Any, tokenizer: Any, prompts: Sequence[str], max_
             )  # fmt: skip
         results.append(out[0, ids.shape[1] :].tolist())
     return results
+
+
+ENGINE_CASES = ("default", "chunked-prefill", "prefix-caching", "preemption")
+"""The engine settings a model's greedy tokens are checked under (`engine_case_options`)."""
+
+
+def kv_bytes_per_token(text_config: Any, dtype_bytes: int = 4) -> int:
+    """KV-cache bytes one token takes across the layers of a (HF) text config."""
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return text_config.num_hidden_layers * 2 * text_config.num_key_value_heads * head_dim * dtype_bytes
+
+
+def engine_case_options(
+    case: str, *, text_config: Any, prompt_lens: Sequence[int], chunk: int, block_size: int = 4
+) -> dict[str, Any]:
+    """LLM options for one of ENGINE_CASES: no prefix caching but in "prefix-caching"; prefill chunks of
+    `chunk` tokens; for "preemption" a KV cache of exactly the blocks the prompts fill when they start
+    together, so the first decoding block preempts one of them."""
+    blocks = sum(-(-n // block_size) for n in prompt_lens)
+    return {
+        "default": {"enable_prefix_caching": False},
+        "chunked-prefill": {"max_num_batched_tokens": chunk, "enable_prefix_caching": False},
+        "prefix-caching": {},
+        "preemption": {
+            "kv_cache_memory": blocks * block_size * kv_bytes_per_token(text_config),
+            "enable_prefix_caching": False,
+        },
+    }[case]
+
+
+def assert_chunk_boundary_inside_an_item(llm: Any, request: dict, modality: str, chunk: int) -> None:
+    """A prefill chunk boundary (every `chunk` tokens) falls inside the first `modality` item of `request`."""
+    out = llm.engine.processor.apply(request["prompt"], request["multi_modal_data"])
+    placeholder = out["mm_placeholders"][modality][0]
+    boundaries = range(0, len(out["prompt_token_ids"]), chunk)
+    assert any(placeholder.offset < b < placeholder.offset + placeholder.length for b in boundaries)
+
+
+def assert_engine_case_happened(llm: Any, case: str, prefix_hits_before: int) -> None:
+    """The case did what it is for: "prefix-caching" hit cached blocks, "preemption" preempted."""
+    if case == "prefix-caching":
+        assert llm.engine.block_manager.prefix_hits > prefix_hits_before
+    if case == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0

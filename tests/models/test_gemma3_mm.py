@@ -14,7 +14,13 @@ from tessera import LLM, SamplingParams
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.testing import random_images
 from tessera.testing.gemma3 import BOI, EOI, MM_TOKENS_PER_IMAGE, PAN_AND_SCAN, SLIDING_WINDOW, build_tiny_gemma3
-from tessera.testing.generation import greedy_logprobs
+from tessera.testing.generation import (
+    ENGINE_CASES,
+    assert_chunk_boundary_inside_an_item,
+    assert_engine_case_happened,
+    engine_case_options,
+    greedy_logprobs,
+)
 
 PAS = dict(do_pan_and_scan=True, **PAN_AND_SCAN)
 TEXT = "What is in the image? Describe the image."
@@ -102,42 +108,28 @@ def test_prefill_logits_match_hf(gemma3, pas):
     torch.testing.assert_close(logprobs[0], want, atol=1e-4, rtol=0)
 
 
-def kv_bytes_per_token(hf_model) -> int:
-    text = hf_model.config.text_config
-    return text.num_hidden_layers * 2 * text.num_key_value_heads * text.head_dim * 4
-
-
-@pytest.mark.parametrize("options", ["default", "chunked-prefill", "prefix-caching", "preemption", "pan-and-scan"])
+@pytest.mark.parametrize("options", [*ENGINE_CASES, "pan-and-scan"])
 def test_greedy_tokens_match_hf_alone_and_batched(gemma3, options):
     folder, hf_model, hf_processor, expected = gemma3
     pas = options == "pan-and-scan"
     runs = expected[pas]
     want = [tokens_ for _, tokens_ in runs]
     lens = [inputs["input_ids"].shape[1] for inputs, _ in runs]
-    text_len = len(hf_processor.tokenizer.encode(TEXT))
-    # the two image prompts and the text one start together in exactly the blocks they fill (block_size 4)
-    blocks = sum(-(-n // 4) for n in lens) + -(-text_len // 4)
-    kwargs = {
-        "default": {"enable_prefix_caching": False},
-        "chunked-prefill": {"max_num_batched_tokens": CHUNK, "enable_prefix_caching": False},
-        "prefix-caching": {},
-        "preemption": {"kv_cache_memory": blocks * 4 * kv_bytes_per_token(hf_model), "enable_prefix_caching": False},
-        "pan-and-scan": {"mm_processor_kwargs": PAS},
-    }[options]
+    lens.append(len(hf_processor.tokenizer.encode(TEXT)))  # the image prompts and the text one start together
+    kwargs = (
+        {"mm_processor_kwargs": PAS}
+        if pas
+        else engine_case_options(options, text_config=hf_model.config.text_config, prompt_lens=lens, chunk=CHUNK)
+    )
     llm = LLM(str(folder), device="cpu", block_size=4,
               **{"kv_cache_memory": "4MiB", "limit_mm_per_prompt": {"image": 2}, **kwargs})  # fmt: skip
-    if options == "chunked-prefill":  # a chunk boundary falls inside an image of the first prompt
-        out = llm.engine.processor.apply(PROMPTS[0][0], request(0)["multi_modal_data"])
-        (placeholder,) = out["mm_placeholders"]["image"]
-        assert any(placeholder.offset < b < placeholder.offset + placeholder.length for b in range(0, lens[0], CHUNK))
+    if options == "chunked-prefill":  # a chunk boundary falls inside an image: the scheduler keeps it whole
+        assert_chunk_boundary_inside_an_item(llm, request(0), "image", CHUNK)
         assert llm.engine.scheduler_config.disable_chunked_mm_input
     assert [tokens(llm, [request(i)])[0] for i in range(len(PROMPTS))] == want
     hits = llm.engine.block_manager.prefix_hits
     assert tokens(llm, [request(0), TEXT, request(1)])[::2] == want  # batched
-    if options == "prefix-caching":
-        assert llm.engine.block_manager.prefix_hits > hits
-    if options == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+    assert_engine_case_happened(llm, options, hits)
 
 
 def test_image_tokens_attend_both_ways(gemma3):

@@ -17,7 +17,13 @@ from tessera.models.internvl_vision import InternVLVisionModel
 from tessera.models.loader import load_tensors
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.testing import random_images, random_video
-from tessera.testing.generation import greedy_logprobs
+from tessera.testing.generation import (
+    ENGINE_CASES,
+    assert_chunk_boundary_inside_an_item,
+    assert_engine_case_happened,
+    engine_case_options,
+    greedy_logprobs,
+)
 from tessera.testing.internvl import (
     IMAGE_SEQ_LENGTH,
     IMG_CONTEXT,
@@ -191,40 +197,22 @@ def test_prefill_logits_match_hf(internvl, i):
     torch.testing.assert_close(logprobs[0], want, atol=1e-4, rtol=0)
 
 
-def kv_bytes_per_token(hf_model) -> int:
-    text = hf_model.config.text_config
-    head_dim = text.hidden_size // text.num_attention_heads
-    return text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * 4
-
-
-@pytest.mark.parametrize("options", ["default", "chunked-prefill", "prefix-caching", "preemption"])
+@pytest.mark.parametrize("options", ENGINE_CASES)
 def test_greedy_tokens_match_hf_alone_and_batched(internvl, options):
     folder, hf_model, hf_processor, runs = internvl
     want = [tokens_ for _, tokens_ in runs]
     lens = [inputs["input_ids"].shape[1] for inputs, _ in runs]
-    text_len = len(hf_processor.tokenizer.encode(TEXT))
-    # the three media prompts and the text one start together in exactly the blocks they fill (block_size 4)
-    blocks = sum(-(-n // 4) for n in lens) + -(-text_len // 4)
-    kwargs = {
-        "default": {"enable_prefix_caching": False},
-        "chunked-prefill": {"max_num_batched_tokens": CHUNK, "enable_prefix_caching": False},
-        "prefix-caching": {},
-        "preemption": {"kv_cache_memory": blocks * 4 * kv_bytes_per_token(hf_model), "enable_prefix_caching": False},
-    }[options]
+    lens.append(len(hf_processor.tokenizer.encode(TEXT)))  # the media prompts and the text one start together
+    kwargs = engine_case_options(options, text_config=hf_model.config.text_config, prompt_lens=lens, chunk=CHUNK)
     llm = LLM(str(folder), device="cpu", block_size=4,
               **{"kv_cache_memory": "4MiB", "limit_mm_per_prompt": {"image": 2, "video": 1}, **kwargs})  # fmt: skip
-    if options == "chunked-prefill":  # a chunk boundary falls inside an image of the first prompt
-        out = llm.engine.processor.apply(PROMPTS[0][0], request(0)["multi_modal_data"])
-        (placeholder,) = out["mm_placeholders"]["image"]
-        assert any(placeholder.offset < b < placeholder.offset + placeholder.length for b in range(0, lens[0], CHUNK))
+    if options == "chunked-prefill":
+        assert_chunk_boundary_inside_an_item(llm, request(0), "image", CHUNK)
     assert [tokens(llm, [request(i)])[0] for i in range(len(PROMPTS))] == want
     hits = llm.engine.block_manager.prefix_hits
     batched = tokens(llm, [request(0), TEXT, request(1), request(2)])
     assert batched[:1] + batched[2:] == want
-    if options == "prefix-caching":
-        assert llm.engine.block_manager.prefix_hits > hits
-    if options == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+    assert_engine_case_happened(llm, options, hits)
 
 
 @pytest.mark.parametrize("variant", ["layer_norm", "rms_qk"])
