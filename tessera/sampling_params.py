@@ -2,11 +2,89 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Union
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
 
 _GREEDY_EPSILON = 1e-5
 _SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes (n outputs use seed + index)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on the output's text (vLLM's names): exactly one of the fields below is set. The
+    engine compiles it into a grammar when the request is added and masks every token that would
+    leave it; the output ends (finish reason "stop") when the grammar is complete."""
+
+    json: Union[dict, str, None] = None
+    """A JSON schema (a dict, or its JSON text): the output is a JSON value that validates against it."""
+
+    json_object: Optional[bool] = None
+    """True: the output is any JSON object."""
+
+    regex: Optional[str] = None
+    """The output fully matches this regular expression."""
+
+    choice: Optional[list[str]] = None
+    """The output is exactly one of these strings."""
+
+    grammar: Optional[str] = None
+    """The output is a sentence of this EBNF (GBNF-style) grammar, starting at rule `root`."""
+
+    disable_any_whitespace: bool = True
+    """JSON (json, json_object) written with single spaces after `:` and `,` and no other whitespace
+    between tokens. False allows any whitespace there, as vLLM does by default; the default here is
+    True because a model that has not learnt JSON well can spend all its tokens on whitespace."""
+
+    def __post_init__(self) -> None:
+        given = [
+            f.name
+            for f in fields(self)
+            if f.name != "disable_any_whitespace" and getattr(self, f.name) not in (None, False)
+        ]
+        if len(given) != 1:
+            names = ", ".join(f.name for f in fields(self) if f.name != "disable_any_whitespace")
+            got = f"got {', '.join(given)}" if given else "got none"
+            raise ValueError(f"structured_outputs takes exactly one of {names}; {got}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(
+                    f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}"
+                )
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        return next(f.name for f in fields(self) if f.name != "disable_any_whitespace" and getattr(self, f.name))
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> "StructuredOutputsParams":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"Unknown structured_outputs field(s) {', '.join(map(repr, unknown))}")
+        return cls(**value)
 
 
 @dataclass
@@ -49,7 +127,16 @@ class SamplingParams:
 
     skip_special_tokens: bool = True
 
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (a dict is converted)."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}"
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -69,3 +71,48 @@ def test_top_k_minus_one_means_all_tokens():
     }
     assert draws[-1] == draws[0]
     assert set(draws[-1]) == set(range(8))
+
+
+# ---- structured outputs --------------------------------------------------------------------------------------------
+
+
+def test_structured_outputs_take_exactly_one_constraint():
+    from tessera.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, grammar; got none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="got json, regex"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
+        ({"json": "[1, 2]"}, "must be a JSON schema"),
+        ({"json": 5}, "must be a JSON schema"),
+        ({"json_object": "yes"}, "json_object must be true"),
+        ({"regex": 7}, "regex must be a non-empty string"),
+        ({"grammar": ["root"]}, "grammar must be a non-empty string"),
+        ({"choice": []}, "choice must be a non-empty list"),
+        ({"choice": ["a", 3]}, "choice must be a non-empty list of non-empty strings"),
+        ({"choice": "ab"}, "choice must be a non-empty list"),
+    ],
+)
+def test_a_malformed_constraint_is_a_value_error_naming_it(kwargs, message):
+    from tessera.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_sampling_params_take_structured_outputs_as_a_dict():
+    from tessera.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    assert params.structured_outputs.kind == "choice"
+    with pytest.raises(ValueError, match="Unknown structured_outputs field"):
+        SamplingParams(structured_outputs={"schema": {}})
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs="json")

@@ -24,6 +24,7 @@ from .output_processor import OutputProcessor
 from .prompt import PromptInputs, PromptType
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
+from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class LLMEngine:
             video_placeholder=self._video_placeholder(get_placeholder),
         )  # fmt: skip
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output = StructuredOutputManager(self.tokenizer, text_config.vocab_size, self.eos_token_ids)
         self._profiling = False
         self._profile_run()
 
@@ -131,8 +133,12 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
 
     def process_inputs(self, prompt: Union[PromptType, PromptInputs], params: SamplingParams) -> PromptInputs:
-        """The InputPreprocessor's work (touches no engine state: any thread may run it)."""
-        return self.input_preprocessor.process(prompt, params)
+        """The InputPreprocessor's work, and compiling the request's output constraint into the grammar
+        cache (thread-safe; touches no other engine state: any thread may run it)."""
+        inputs = self.input_preprocessor.process(prompt, params)
+        if params.structured_outputs is not None:
+            self.structured_output.compile(params.structured_outputs)  # an invalid one raises InputError
+        return inputs
 
     def add_request(
         self,
@@ -166,6 +172,8 @@ class LLMEngine:
                     index=index,
                 )
             )
+            if params.structured_outputs is not None:  # the grammar is compiled (and cached) by now
+                children[-1].structured_output = self.structured_output.new_request(params.structured_outputs)
         self.output_processor.add(request_id, inputs, children)
         for child in children:
             self.scheduler.add_request(child)

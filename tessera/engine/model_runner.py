@@ -25,6 +25,7 @@ from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
 from .request import Request
 from .scheduler import SchedulerOutput
+from .structured_output import token_mask
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +86,10 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[[row for row, _ in sampling]])  # [num_sampling, vocab]
+        # the grammars' bitmask is filled on the CPU while the device runs the step (launched above)
+        mask = token_mask([r for _, r in sampling])
         result: SamplerOutput = sample(
-            logits, [r.sampling_params for _, r in sampling], [r.generator for _, r in sampling]
+            logits, [r.sampling_params for _, r in sampling], [r.generator for _, r in sampling], mask
         )
         return {
             request.request_id: (token, logprobs)

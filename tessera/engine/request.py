@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -120,6 +120,9 @@ class Request:
         self.mrope_positions: Optional[torch.Tensor] = None
         self.mrope_position_delta = 0
         self.generator: Optional[torch.Generator] = None
+        # structured outputs: this sequence's grammar matcher (a StructuredOutputRequest), set when
+        # the engine adds the request; it masks the sampled tokens and ends the output when complete
+        self.structured_output: Optional[Any] = None
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
 

@@ -13,6 +13,7 @@ sees them, so they no longer count against the cache.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -23,6 +24,8 @@ from ..config import SchedulerConfig
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
 from .request import MultiModalItem, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -121,6 +124,9 @@ class Scheduler:
             self.running.append(request)
             self._commit(step, encoding, scheduled)
             token_budget -= step.num_new_tokens
+        now = time.monotonic()  # queue time ends here, before the step runs (vLLM's scheduled timestamp)
+        for step in scheduled:
+            step.request.metrics.first_scheduled_time = step.request.metrics.first_scheduled_time or now
         return SchedulerOutput(scheduled, encoding)
 
     def _plan(
@@ -193,7 +199,6 @@ class Scheduler:
         advanced = []
         for step in out.scheduled:
             request = step.request
-            request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
             request.num_computed_tokens += step.num_new_tokens
             self.block_manager.cache_full_blocks(request)
             if self.kv_window is not None:  # the next query, at >= n, sees keys from n - W + 1 on
@@ -213,9 +218,15 @@ class Scheduler:
         metrics = request.metrics
         metrics.first_token_time = metrics.first_token_time or now
         metrics.num_output_tokens = len(request.output_token_ids)
+        metrics.token_times.append(now)
         params = request.sampling_params
+        grammar = request.structured_output
+        if grammar is not None and not grammar.accept(token):
+            logger.warning("Request %s: token %d is outside its grammar", request.request_id, token)
         status = None
         if not params.ignore_eos and token in request.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif grammar is not None and grammar.is_terminated:  # the output is complete
             status = RequestStatus.FINISHED_STOPPED
         elif token in params.stop_token_ids:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token

@@ -1,7 +1,8 @@
 """From logits to tokens: greedy, or temperature with top-k / top-p / min-p, per request.
 
 Each seeded request draws from its own generator, so its samples do not depend on what else
-is in the batch.
+is in the batch. Constrained rows (structured outputs) come with a token bitmask: their disallowed
+tokens get -inf before greedy or sampling; the other rows are untouched.
 """
 
 from __future__ import annotations
@@ -16,6 +17,24 @@ from ..sampling_params import SamplingParams
 
 
 @dataclass
+class TokenMask:
+    """Allowed tokens of some rows of the batch: `bitmask[k]` (int32 words, bit j of word w allows
+    token 32 * w + j, xgrammar's layout) is for row `rows[k]`; rows not listed are unconstrained."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32
+
+    def allowed(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """[len(rows), vocab_size] bool; tokens past the bitmask's end are not allowed."""
+        bitmask = self.bitmask.to(device, non_blocking=True)
+        shifts = torch.arange(32, device=device, dtype=torch.int32)
+        bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+        if bits.shape[1] < vocab_size:
+            bits = torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+        return bits[:, :vocab_size]
+
+
+@dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Optional[dict[int, float]]]
@@ -23,14 +42,24 @@ class SamplerOutput:
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[Optional[torch.Generator]],
+    token_mask: Optional[TokenMask] = None,
 ) -> SamplerOutput:
-    """logits [B, vocab] (one row per request) -> one token per row."""
+    """logits [B, vocab] (one row per request) -> one token per row; `token_mask` restricts some rows
+    to their allowed tokens (the log-probabilities stay those of the model's distribution)."""
     logits = logits.float()
-    tokens = logits.argmax(dim=-1)  # [B]; greedy rows keep it
+    scores = logits
+    if token_mask is not None and token_mask.rows:
+        scores = logits.clone()
+        rows = torch.tensor(token_mask.rows, device=logits.device)
+        allowed = token_mask.allowed(logits.shape[-1], logits.device)
+        scores[rows] = scores[rows].masked_fill(~allowed, float("-inf"))
+    tokens = scores.argmax(dim=-1)  # [B]; greedy rows keep it
     for row, (p, generator) in enumerate(zip(params, generators)):
         if not p.greedy:
-            probs = _filtered_probs(logits[row] / p.temperature, p)
+            probs = _filtered_probs(scores[row] / p.temperature, p)
             if generator is not None and generator.device != probs.device:
                 probs = probs.cpu()  # a seeded request's generator is a CPU one: the same samples on any device
             tokens[row] = int(torch.multinomial(probs, 1, generator=generator)[0])

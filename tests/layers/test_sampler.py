@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tessera.layers.sampler import sample
+from tessera.layers.sampler import TokenMask, sample
 from tessera.sampling_params import SamplingParams
 
 # Token probabilities chosen so that every filter below keeps a set that is easy to see by hand.
@@ -125,3 +125,57 @@ def test_logprobs_only_for_the_rows_that_ask():
     out = sample(logits, params, [None, None, torch.Generator().manual_seed(0)])
     assert out.logprobs[0] is None and out.logprobs[2] is None
     assert set(out.logprobs[1]) == set(logits[1].topk(2).indices.tolist())
+
+
+# ---- token masks (structured outputs) -------------------------------------------------------------------------------
+
+
+def bitmask_of(allowed_rows: list[set[int]], vocab: int) -> torch.Tensor:
+    """xgrammar's layout built by hand: bit j of int32 word w allows token 32 * w + j."""
+    words = torch.zeros(len(allowed_rows), (vocab + 31) // 32, dtype=torch.int64)
+    for k, allowed in enumerate(allowed_rows):
+        for token in allowed:
+            words[k, token // 32] |= 1 << (token % 32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31 is the sign bit
+
+
+def test_a_token_mask_unpacks_to_the_allowed_tokens_including_bit_31():
+    allowed = [{0, 31, 32, 63, 69}, set(range(70))]
+    mask = TokenMask([0, 1], bitmask_of(allowed, 70))
+    unpacked = mask.allowed(70, torch.device("cpu"))
+    assert unpacked.shape == (2, 70)
+    assert [set(torch.nonzero(row).flatten().tolist()) for row in unpacked] == allowed
+    assert mask.allowed(100, torch.device("cpu"))[:, 70:].any().item() is False  # past the bitmask: not allowed
+
+
+def test_masked_rows_take_their_best_allowed_token_and_the_others_are_untouched():
+    logits = torch.randn(4, 70, generator=torch.Generator().manual_seed(0))
+    allowed = {5, 40, 66}
+    params = [SamplingParams(temperature=0.0)] * 4
+    alone = sample(logits, params, [None] * 4).token_ids
+    out = sample(logits, params, [None] * 4, TokenMask([1, 3], bitmask_of([allowed, {7}], 70)))
+    assert out.token_ids[1] == max(allowed, key=lambda t: float(logits[1, t]))
+    assert out.token_ids[3] == 7
+    assert [out.token_ids[0], out.token_ids[2]] == [alone[0], alone[2]]
+
+
+def test_sampled_masked_rows_draw_only_allowed_tokens_and_seeded_others_are_unchanged():
+    logits = torch.zeros(2, 64)
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+    mask = TokenMask([0], bitmask_of([{3, 33, 60}], 64))
+    drawn = set()
+    for seed in range(40):
+        generators = [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(1000 + seed)]
+        out = sample(logits, [params, params], generators, mask)
+        drawn.add(out.token_ids[0])
+        alone = sample(logits[1:], [params], [torch.Generator().manual_seed(1000 + seed)]).token_ids[0]
+        assert out.token_ids[1] == alone
+    assert drawn == {3, 33, 60}
+
+
+def test_logprobs_of_a_masked_row_are_the_model_distribution():
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(2))
+    out = sample(logits, [SamplingParams(temperature=0.0, logprobs=2)], [None], TokenMask([0], bitmask_of([{9}], 40)))
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert out.token_ids == [9]
+    assert out.logprobs[0][9] == pytest.approx(float(expected[9]), abs=1e-5)

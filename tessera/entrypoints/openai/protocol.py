@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, and their mapping onto SamplingParams.
 
 Nothing a client sends is silently ignored: OpenAI parameters Tessera does not implement are
-accepted only with the value that means "off" (`logit_bias: {}`, `tools: []`, `echo: false`...)
+accepted only with the value that means "off" (`logit_bias: {}`, `functions: []`, `echo: false`...)
 and refused with a 400 naming them otherwise; unknown parameters are refused too, except a few
 that only label the request for the caller's own bookkeeping (`user`, `metadata`)."""
 
@@ -12,7 +12,9 @@ from typing import Annotated, Any, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from ...multimodal.media import check_media_io_kwargs
-from ...sampling_params import SamplingParams
+from ...sampling_params import SamplingParams, StructuredOutputsParams
+from .structured_outputs import GUIDED, StructuredOutputError, structured_outputs_of
+from .tools import ChatTool, NamedToolChoice, ToolChoice, check_tools, structured_tool_choice_supported
 
 # OpenAI (and vLLM) parameters Tessera does not implement, with the values that mean "off".
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -20,12 +22,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0,),
     "repetition_penalty": (1,),
     "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
-    "functions": ([],),
+    "functions": ([],),  # the deprecated form of tools (chat takes `tools` and `tool_choice`)
     "function_call": ("none", "auto"),
-    "parallel_tool_calls": (True, False),  # means nothing without tools
-    "response_format": ({"type": "text"},),  # until structured output exists
     "modalities": (["text"],),
     "echo": (False,),
     "suffix": ("",),
@@ -91,6 +89,25 @@ class _SamplingRequest(BaseModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False  # vLLM's extension
     mm_processor_kwargs: RequestProcessorKwargs = None  # vLLM's extension: HF processor kwargs, over the server's
+    # structured outputs (structured_outputs.py): OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check_structured_outputs(self) -> "_SamplingRequest":
+        self._structured_outputs()  # a malformed or ambiguous constraint is a 400 naming its parameter
+        return self
+
+    def _structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        guided = {name: getattr(self, name) for name in GUIDED}
+        try:
+            return structured_outputs_of(self.response_format, self.structured_outputs, guided)
+        except StructuredOutputError as e:
+            raise UnsupportedParameter(e.param, str(e)) from None
 
     @model_validator(mode="after")
     def _refuse_unimplemented(self) -> "_SamplingRequest":
@@ -117,6 +134,7 @@ class _SamplingRequest(BaseModel):
             stop=self.stop,
             logprobs=logprobs,
             ignore_eos=self.ignore_eos,
+            structured_outputs=self._structured_outputs(),
         )
 
 
@@ -127,6 +145,22 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     media_io_kwargs: RequestMediaIOKwargs = None  # vLLM's: {"video": {"num_frames": N, "fps": F}}, over the server's
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[ToolChoice] = None  # OpenAI's default: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True  # False: only the first call an answer makes is returned
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> "ChatCompletionRequest":
+        check_tools(self.tools, self.tool_choice)
+        if (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)) and not (
+            structured_tool_choice_supported()
+        ):  # TODO(structured outputs): see tools.structured_tool_choice_supported
+            raise UnsupportedParameter(
+                "tool_choice",
+                'tool_choice "required" or a named function is not supported yet (it needs structured outputs); '
+                'use "auto" or "none".',
+            )
+        return self
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens  # None: up to the context length
@@ -153,6 +187,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     mm_processor_kwargs: RequestProcessorKwargs = None
     media_io_kwargs: RequestMediaIOKwargs = None
+    tools: Optional[list[ChatTool]] = None  # rendered into the chat template, as vLLM's /tokenize does
 
     @model_validator(mode="after")
     def _one_of(self) -> "TokenizeRequest":

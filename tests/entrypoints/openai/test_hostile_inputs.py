@@ -285,7 +285,7 @@ def test_trickling_urls_fail_at_the_deadline_and_stall_nobody(lan_server, media_
 
 @pytest.mark.parametrize(
     "path, extra",
-    [("/v1/chat/completions", {"response_format": {"type": "json_object"}}),
+    [("/v1/chat/completions", {"response_format": {"type": "structural_tag"}}),
      ("/v1/chat/completions", {"logit_bias": {"5": 10}}),
      ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
      ("/v1/completions", {"echo": True}), ("/v1/completions", {"suffix": "end"}),
