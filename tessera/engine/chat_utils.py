@@ -8,6 +8,7 @@ the order of its parts, and `{"type": "image"}` / `{"type": "video"}` parts for 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Optional
 
@@ -78,14 +79,16 @@ def parse_chat_media(
         if not isinstance(message, Mapping):
             raise InputError(f"messages[{m}] must be an object with 'role' and 'content', got {_kind(message)}.")
         role = message.get("role")
-        if role not in ("system", "user", "assistant"):
-            raise InputError(f"messages[{m}]: unsupported role {role!r}; use 'system', 'user' or 'assistant'.")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise InputError(f"messages[{m}]: unsupported role {role!r}; use 'system', 'user', 'assistant' or 'tool'.")
+        extra = _tool_fields(message, f"messages[{m}]")  # tool_calls of an assistant, tool_call_id of a tool
         content = message.get("content")
         if isinstance(content, str) or content is None:
             text = content or ""
             hf_messages.append(
-                {"role": role, "content": text if image_text is not None else [{"type": "text", "text": text}]}
-            )
+                {"role": role, "content": text if image_text is not None else [{"type": "text", "text": text}],
+                 **extra}
+            )  # fmt: skip
             continue
         if not isinstance(content, list):
             raise InputError(
@@ -132,10 +135,55 @@ def parse_chat_media(
                 )
         if image_text is not None:
             text = "".join(image_text if p["type"] == "image" else p["text"] for p in parts)
-            hf_messages.append({"role": role, "content": text})
+            hf_messages.append({"role": role, "content": text, **extra})
         else:
-            hf_messages.append({"role": role, "content": parts})
+            hf_messages.append({"role": role, "content": parts, **extra})
     return hf_messages, media, uuids
+
+
+def _tool_fields(message: Message, where: str) -> dict:
+    """The tool-calling fields of a message as HF chat templates take them: an assistant's
+    `tool_calls` with each call's `function.arguments` a dict (OpenAI sends a JSON string), a tool
+    message's `tool_call_id`, and a `name` where one is given."""
+    fields: dict[str, Any] = {}
+    role = message.get("role")
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise InputError(f"{where}.name must be a string, got {_kind(name)}.")
+        fields["name"] = name
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise InputError(f"{where}: a tool message needs 'tool_call_id' (a string), got {_kind(call_id)}.")
+        fields["tool_call_id"] = call_id
+    calls = message.get("tool_calls")
+    if calls is None:
+        return fields
+    if role != "assistant":
+        raise InputError(f"{where}: only assistant messages have 'tool_calls'.")
+    if not isinstance(calls, list):
+        raise InputError(f"{where}.tool_calls must be a list, got {_kind(calls)}.")
+    fields["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{c}]") for c, call in enumerate(calls)]
+    return fields
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise InputError(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': '...'}}}}.")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError:
+            raise InputError(f"{where}.function.arguments is not valid JSON.") from None
+    if not isinstance(arguments, Mapping):
+        raise InputError(f"{where}.function.arguments must be a JSON object, got {_kind(arguments)}.")
+    converted = {"type": "function", "function": {"name": function["name"], "arguments": dict(arguments)}}
+    if isinstance(call.get("id"), str):
+        converted["id"] = call["id"]
+    return converted
 
 
 def _kind(value: Any) -> str:
@@ -194,20 +242,23 @@ def render_prompt(
     add_generation_prompt: bool = True, *, uuids: Optional[Sequence[Optional[str]]] = None,
     content_format: ContentFormat = "auto", placeholder: Optional[Placeholder] = None,
     videos: Sequence[Any] = (), video_uuids: Optional[Sequence[Optional[str]]] = None,
-    video_placeholder: Optional[Placeholder] = None,
+    video_placeholder: Optional[Placeholder] = None, tools: Optional[list[dict]] = None,
 ) -> dict:  # fmt: skip
     """The engine prompt for parsed messages and their loaded images and videos (and their ids, if
     any is named: "multi_modal_uuids"). Message content goes to the template as a list of parts or
-    as one string, as the template expects (`content_format`; "auto" reads the template)."""
+    as one string, as the template expects (`content_format`; "auto" reads the template). `tools`
+    (OpenAI function tools) go to the template's `tools` variable."""
     if chat_template is None:
         raise InputError("This model has no chat template; pass chat_template=... or use generate().")
     if content_format not in ("auto", "string", "openai"):
         raise InputError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {content_format!r}.")
     if (content_format == "auto" and detect_content_format(chat_template) == "string") or content_format == "string":
         hf_messages = as_string_content(hf_messages, placeholder, video_placeholder)
+    options = {"tools": tools} if tools else {}  # as before for requests without tools
     prompt = renderer.apply_chat_template(
-        hf_messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
+        hf_messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False,
+        **options,
+    )  # fmt: skip
     prompt = without_template_bos(renderer, prompt)
     return with_media(prompt, {"image": images, "video": videos}, {"image": uuids, "video": video_uuids})
 
@@ -254,6 +305,7 @@ def render_chat(
     placeholder: Optional[Placeholder] = None,
     load_video: VideoLoader = no_video,
     video_placeholder: Optional[Placeholder] = None,
+    tools: Optional[list[dict]] = None,
 ) -> dict:
     """The engine prompt for a conversation: {"prompt": text, "multi_modal_data": {"image": [...],
     "video": [...]}} (the modalities it has), with "multi_modal_uuids" when a part has a "uuid".
@@ -262,7 +314,7 @@ def render_chat(
     return render_prompt(renderer, chat_template, hf_messages, media["image"], add_generation_prompt,
                          uuids=uuids["image"], content_format=content_format, placeholder=placeholder,
                          videos=media["video"], video_uuids=uuids["video"],
-                         video_placeholder=video_placeholder)  # fmt: skip
+                         video_placeholder=video_placeholder, tools=tools)  # fmt: skip
 
 
 def render_plain(

@@ -77,11 +77,12 @@ class InputPreprocessor:
         content_format: ContentFormat = "auto",
         plain_fallback: bool = False,
         load_video: Optional[VideoLoader] = None,
+        tools: Optional[list[dict]] = None,
     ) -> dict:
         """The prompt dict for an OpenAI-style conversation through the model's chat template (or
         `chat_template`); with `plain_fallback`, a model without one gets its last message as it is.
         `load_video(url)` loads a video_url part's video; a model that takes no videos refuses them
-        (InputError) before any is loaded."""
+        (InputError) before any is loaded. `tools`: OpenAI function tools for the template."""
         template = chat_template or self.chat_template
         video = self.video_loader(load_video)
         if template is None and plain_fallback:
@@ -89,7 +90,7 @@ class InputPreprocessor:
                                 video_placeholder=self.video_placeholder)  # fmt: skip
         return render_chat(self.renderer, template, messages, load_image, add_generation_prompt, self.image_text,
                            content_format=content_format, placeholder=self.placeholder, load_video=video,
-                           video_placeholder=self.video_placeholder)  # fmt: skip
+                           video_placeholder=self.video_placeholder, tools=tools)  # fmt: skip
 
     @property
     def takes_video(self) -> bool:

@@ -108,13 +108,15 @@ class LLM:
         mm_processor_kwargs: Optional[Mapping[str, Any]] = None,
         chat_template_content_format: ContentFormat = "auto",
         media_io_kwargs: Optional[Mapping[str, Mapping[str, Any]]] = None,
+        tools: Optional[list[dict[str, Any]]] = None,
     ) -> list[RequestOutput]:
         """Generate replies to OpenAI-style conversations: content is a string or a list of
         {"type": "text", "text": ...}, {"type": "image_url", "image_url": {"url": ...}} and
         {"type": "video_url", "video_url": {"url": ...}} parts (data URLs or local paths; an image
         or video part may carry a "uuid" naming it), rendered through the model's chat template.
         `mm_processor_kwargs` apply to every conversation, over the LLM's own; `media_io_kwargs`
-        (vLLM's) to loading: {"video": {"num_frames": N, "fps": F}} samples videos so."""
+        (vLLM's) to loading: {"video": {"num_frames": N, "fps": F}} samples videos so. `tools`
+        (OpenAI function tools) go to the chat template; the replies are not parsed for calls."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         prompts = [
             self.render_chat(
@@ -123,6 +125,7 @@ class LLM:
                 chat_template,
                 content_format=chat_template_content_format,
                 media_io_kwargs=media_io_kwargs,
+                tools=tools,
             )  # fmt: skip
             for c in conversations
         ]
@@ -144,6 +147,7 @@ class LLM:
         plain_fallback: bool = False,
         content_format: ContentFormat = "auto",
         media_io_kwargs: Optional[Mapping[str, Mapping[str, Any]]] = None,
+        tools: Optional[list[dict[str, Any]]] = None,
     ) -> dict:
         """The engine prompt for an OpenAI-style conversation: text through the chat template,
         images and videos loaded in order (data URLs, file:// URLs, local paths or image_pil
@@ -154,5 +158,5 @@ class LLM:
         load_video = functools.partial(load_video_url, policy=LOCAL_FILES, **io_kwargs.get("video", {}))
         return self.engine.input_preprocessor.render_chat(
             messages, load, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-            content_format=content_format, plain_fallback=plain_fallback, load_video=load_video,
+            content_format=content_format, plain_fallback=plain_fallback, load_video=load_video, tools=tools,
         )  # fmt: skip

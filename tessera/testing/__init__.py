@@ -10,6 +10,7 @@ from .checkpoints import (
 from .gguf import build_tiny_gguf
 from .inputs import IMAGE_SIZES, LLAVA_PROMPTS, png_bytes, random_images, random_video
 from .tokenizer import CHATML_TEMPLATE, build_tokenizer
+from .tool_calling import build_tiny_qwen2_tools
 from .video import VIDEO_COLORS, video_bytes, video_frame
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "build_tiny_fuyu",
     "build_tiny_gguf",
     "build_tiny_llava",
+    "build_tiny_qwen2_tools",
     "build_tiny_text_model",
     "build_tokenizer",
     "png_bytes",

@@ -30,6 +30,7 @@ from .media_loader import AsyncMediaLoader
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, UnsupportedParameter, error_body
 from .serving import OpenAIServing
+from .tool_parsers import default_tool_parser, get_tool_parser
 
 logger = logging.getLogger(__name__)
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
@@ -52,12 +53,15 @@ def build_app(
     image_fetch_timeout: Optional[float] = None,
     image_fetch_max_bytes: Optional[int] = None,
     media_io_kwargs: Optional[dict[str, Any]] = None,
+    tool_call_parser: Optional[str] = None,
 ) -> FastAPI:
     """The app for a running AsyncEngine; `api_key` guards /v1/* and /tokenize. The default media
     policy fetches public http(s) URLs and reads no local files; `allowed_media_dir`,
     `image_fetch_timeout` and `image_fetch_max_bytes` (the options before MediaPolicy) adjust it.
     `media_io_kwargs` ({"video": {"num_frames": N, "fps": F}}): how videos are sampled unless a
-    request's own say otherwise."""
+    request's own say otherwise. `tool_call_parser` (vLLM's --tool-call-parser: "hermes",
+    "llama3_json", "mistral") reads tool calls out of answers to requests with tools; None: "hermes"
+    when the model's chat template writes `<tool_call>`, else none (such requests are refused)."""
     media_policy = media_policy or MediaPolicy(fetch_urls=True)
     legacy = {
         "allowed_local_dir": allowed_media_dir,
@@ -66,14 +70,18 @@ def build_app(
     }
     media_policy = dataclasses.replace(media_policy, **{k: v for k, v in legacy.items() if v is not None})
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(engine.engine)
+    metrics = ServerMetrics(engine.engine, model_name)
     media = AsyncMediaLoader(media_policy, max_concurrent_fetches=max_concurrent_fetches)
     if chat_template_content_format not in ("auto", "string", "openai"):
         raise ValueError(
             f"chat_template_content_format must be auto, string or openai, got {chat_template_content_format!r}"
         )
+    if tool_call_parser is not None:
+        parser = get_tool_parser(tool_call_parser)
+    else:
+        parser = default_tool_parser(engine.engine.input_preprocessor.chat_template)
     serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format,
-                            media_io_kwargs)  # fmt: skip
+                            media_io_kwargs, tool_parser=parser)  # fmt: skip
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     model_path = str(engine.engine.model_config.model)
 
@@ -109,7 +117,7 @@ def build_app(
 
     @app.exception_handler(ValueError)
     async def bad_input(_: Request, e: ValueError) -> JSONResponse:
-        return error(getattr(e, "status_code", 400), str(e))
+        return error(getattr(e, "status_code", 400), str(e), param=getattr(e, "param", None))
 
     @app.exception_handler(ServerBusyError)
     async def busy(_: Request, e: ServerBusyError) -> JSONResponse:

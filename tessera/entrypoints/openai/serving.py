@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -20,7 +21,9 @@ from ...multimodal.media import merge_media_io_kwargs
 from ...outputs import CompletionOutput, RequestOutput
 from .media_loader import AsyncMediaLoader
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, UnsupportedParameter, error_body
+from .tool_parsers import ToolCall, ToolParser
+from .tools import constrained_tool_parser, effective_tool_choice, template_tools, tool_choice_schema
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +38,10 @@ class OpenAIServing:
         max_images_per_prompt: Optional[int],
         content_format: ContentFormat = "auto",
         media_io_kwargs: Optional[dict[str, Any]] = None,
+        tool_parser: Optional[ToolParser] = None,
     ) -> None:
         self.engine = engine
+        self.tool_parser = tool_parser  # reads tool calls out of answers to requests with tool_choice "auto"
         self.media_io_kwargs = merge_media_io_kwargs(media_io_kwargs)  # the server's; a request's go over them
         self.metrics = metrics
         self.model_name = model_name
@@ -53,7 +58,11 @@ class OpenAIServing:
             raise InputError(f"This prompt has {count} images; the server takes at most {self.max_images} per prompt.")
 
     async def chat_prompt(
-        self, messages: list[dict], add_generation_prompt: bool, media_io_kwargs: Optional[dict[str, Any]] = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        media_io_kwargs: Optional[dict[str, Any]] = None,
+        tools: Optional[list[dict]] = None,
     ) -> dict:
         # Parse first with the URLs standing in for images and videos: a malformed message, a
         # video for a model without video or too many images is refused before anything is
@@ -79,7 +88,7 @@ class OpenAIServing:
         loaded, loaded_videos = iter(images), iter(videos)
         render = functools.partial(
             self.preprocessor.render_chat, add_generation_prompt=add_generation_prompt,
-            content_format=self.content_format, load_video=lambda url: next(loaded_videos),
+            content_format=self.content_format, load_video=lambda url: next(loaded_videos), tools=tools,
         )  # fmt: skip
         return await asyncio.to_thread(render, messages, lambda url: next(loaded))  # the media, in order
 
@@ -96,9 +105,25 @@ class OpenAIServing:
     # ---- endpoints -------------------------------------------------------------------------------
 
     async def chat(self, request: ChatCompletionRequest) -> Any:
-        prompt = await self.chat_prompt(request.messages, request.add_generation_prompt, request.media_io_kwargs)
+        tools = template_tools(request.tools, request.tool_choice)
+        choice = effective_tool_choice(request.tools, request.tool_choice)
+        parser, schema = None, None
+        if tools and choice not in ("auto", "none"):  # "required" or a named function: a constrained answer
+            parser = constrained_tool_parser(choice)
+            schema = tool_choice_schema(request.tools or [], choice, parallel=request.parallel_tool_calls)
+        elif tools and choice == "auto":
+            if self.tool_parser is None:
+                raise UnsupportedParameter(
+                    "tools",
+                    'tools with tool_choice "auto" need a tool-call parser, and this server has none '
+                    '(start it with --tool-call-parser NAME); leave tools out or send tool_choice "none".',
+                )
+            parser = self.tool_parser
+        prompt = await self.chat_prompt(
+            request.messages, request.add_generation_prompt, request.media_io_kwargs, tools=tools
+        )
         prompt = _with_options(prompt, mm_processor_kwargs=request.mm_processor_kwargs)
-        return await self._generate(request, prompt, "chatcmpl", chat=True)
+        return await self._generate(request, prompt, "chatcmpl", chat=True, tool_parser=parser, constraint=schema)
 
     async def completion(self, request: CompletionRequest) -> Any:
         prompt = await self.completion_prompt(request.prompt)
@@ -109,7 +134,10 @@ class OpenAIServing:
 
     async def tokenize(self, request: TokenizeRequest) -> dict:
         if request.messages is not None:
-            prompt = await self.chat_prompt(request.messages, request.add_generation_prompt, request.media_io_kwargs)
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+            prompt = await self.chat_prompt(
+                request.messages, request.add_generation_prompt, request.media_io_kwargs, tools=tools or None
+            )
         else:
             prompt = await self.completion_prompt(request.prompt or "")
         prompt = _with_options(prompt, mm_processor_kwargs=request.mm_processor_kwargs)
@@ -124,14 +152,32 @@ class OpenAIServing:
             "mm_placeholders": placeholders,
         }
 
-    async def _generate(self, request: Any, prompt: Any, prefix: str, *, chat: bool) -> Any:
+    async def _generate(
+        self,
+        request: Any,
+        prompt: Any,
+        prefix: str,
+        *,
+        chat: bool,
+        tool_parser: Optional[ToolParser] = None,
+        constraint: Optional[dict] = None,
+    ) -> Any:
         params = request.to_sampling_params()
+        if constraint is not None:  # the JSON schema of a forced tool call
+            if getattr(params, "structured_outputs", None) is not None:
+                raise UnsupportedParameter(
+                    "tool_choice", 'tool_choice "required" or a named function cannot be combined with response_format.'
+                )
+            params = dataclasses.replace(params, structured_outputs={"json": constraint})  # type: ignore[call-arg]
+        tools = _ToolCalls(tool_parser, request.parallel_tool_calls) if tool_parser is not None else None
+        if tool_parser is not None and tool_parser.needs_special_tokens:
+            params.skip_special_tokens = False  # the parser's markers are special tokens
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         stream = await self.engine.add_request(request_id, prompt, params)
         created = int(time.time())
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._sse(stream, request_id, created, params.n, chat, include_usage)
+            return self._sse(stream, request_id, created, params.n, chat, include_usage, tools)
         final: Optional[RequestOutput] = None
         try:
             async for output in stream:  # cancelled when the client goes away: the stream aborts
@@ -142,7 +188,7 @@ class OpenAIServing:
             raise
         assert final is not None
         self.metrics.observe_finished(final)
-        choices = [self._choice(c, chat) for c in final.outputs]
+        choices = [self._choice(c, chat, tools) for c in final.outputs]
         return {
             "id": request_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -154,8 +200,16 @@ class OpenAIServing:
 
     # ---- response shapes -------------------------------------------------------------------------
 
-    def _choice(self, c: CompletionOutput, chat: bool) -> dict:
+    def _choice(self, c: CompletionOutput, chat: bool, tools: Optional["_ToolCalls"] = None) -> dict:
         logprobs = self._logprobs(c.token_ids, c.logprobs, chat, 0) if c.logprobs is not None else None
+        if chat and tools is not None:
+            found = tools.parser.extract(c.text)
+            calls = found.calls[:1] if found.calls and not tools.parallel else found.calls
+            message: dict[str, Any] = {"role": "assistant", "content": found.content}
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+            reason = _finish_reason(c.finish_reason, bool(calls))
+            return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
         if chat:
             message = {"role": "assistant", "content": c.text}
             return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
@@ -189,7 +243,14 @@ class OpenAIServing:
         }
 
     async def _sse(
-        self, stream: RequestStream, request_id: str, created: int, n: int, chat: bool, include_usage: bool
+        self,
+        stream: RequestStream,
+        request_id: str,
+        created: int,
+        n: int,
+        chat: bool,
+        include_usage: bool,
+        tools: Optional["_ToolCalls"] = None,
     ) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -200,6 +261,8 @@ class OpenAIServing:
             return f"data: {json.dumps(body)}\n\n"
 
         sent_text, sent_tokens, done = [0] * n, [0] * n, [False] * n
+        streams = [tools.parser.stream() for _ in range(n)] if tools is not None else None
+        calls_sent = [0] * n
         final: Optional[RequestOutput] = None
         try:
             if chat:
@@ -221,13 +284,22 @@ class OpenAIServing:
                         logprobs = self._logprobs(new_ids, new_lps, chat, sent_text[i])
                     sent_text[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), c.finished
                     reason = c.finish_reason if c.finished else None
-                    if chat:
+                    if streams is not None:  # chat with a tool-call parser: content and call deltas
+                        deltas = _tool_deltas(streams[i].feed(c.text, c.finished), calls_sent, i, tools.parallel)
+                        if c.finished:
+                            reason = _finish_reason(reason, calls_sent[i] > 0)
+                        if not deltas and (reason or logprobs is not None):
+                            deltas = [{}]
+                        for k, delta in enumerate(deltas):  # the first carries the logprobs, the last the reason
+                            choices.append({"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
+                                            "finish_reason": reason if k == len(deltas) - 1 else None})  # fmt: skip
+                    elif chat:
                         delta = {"content": text} if text else {}
                         choices.append({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": reason})
                     else:
                         choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
-                if choices:
-                    yield event(choices)
+                for batch in _one_per_choice(choices):
+                    yield event(batch)
             if final is not None and final.finished:
                 self.metrics.observe_finished(final)
                 if include_usage:
@@ -243,6 +315,55 @@ class OpenAIServing:
                 stream.abort()
                 self.metrics.count("abort", n)
         yield "data: [DONE]\n\n"
+
+
+class _ToolCalls:
+    """How a request's answers are read for tool calls: the server's parser, and whether an
+    answer may make more than one call (`parallel_tool_calls`)."""
+
+    def __init__(self, parser: ToolParser, parallel: bool) -> None:
+        self.parser, self.parallel = parser, parallel
+
+
+def _finish_reason(reason: Optional[str], called: bool) -> Optional[str]:
+    """OpenAI's "tool_calls" for an answer that stopped after making calls."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _tool_deltas(events: list[Any], calls_sent: list[int], i: int, parallel: bool) -> list[dict]:
+    """OpenAI's chat deltas for a tool-call stream's events: content as {"content"}, and each call
+    as two deltas, its index, id, type and name first, then its arguments (whole: a call is sent
+    once it is complete). Without parallel calls, calls after the first are dropped."""
+    deltas: list[dict] = []
+    for event in events:
+        if isinstance(event, str):
+            deltas.append({"content": event})
+            continue
+        assert isinstance(event, ToolCall)
+        if calls_sent[i] and not parallel:
+            continue
+        index = calls_sent[i]
+        calls_sent[i] += 1
+        head = {"index": index, "id": event.id, "type": "function", "function": {"name": event.name, "arguments": ""}}
+        deltas.append({"tool_calls": [head]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": event.arguments}}]})
+    return deltas
+
+
+def _one_per_choice(choices: list[dict]) -> list[list[dict]]:
+    """The choices as events that each hold at most one delta per choice, in order."""
+    batches: list[list[dict]] = []
+    seen: list[set[int]] = []
+    for choice in choices:
+        for batch, indexes in zip(batches, seen):
+            if choice["index"] not in indexes and all(c["index"] < choice["index"] for c in batch[-1:]):
+                batch.append(choice)
+                indexes.add(choice["index"])
+                break
+        else:
+            batches.append([choice])
+            seen.append({choice["index"]})
+    return batches
 
 
 def _with_options(prompt: Any, **options: Any) -> Any:
