@@ -13,6 +13,9 @@ class RequestMetrics:
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     num_output_tokens: int = 0
+    token_times: list[float] = field(default_factory=list, repr=False)
+    """When each output token was appended (monotonic seconds; `Scheduler.update_from_output` records them):
+    the inter-token latencies are their gaps."""
 
     @property
     def time_to_first_token(self) -> Optional[float]:

@@ -4,6 +4,7 @@ tessera generate "What colour is the circle?" --image photo.png
 tessera generate "What happens?" --video clip.mp4 --media-io-kwargs '{"video": {"num_frames": 8}}'
 tessera chat --model path/to/model  (then /image PATH or /video PATH attaches media to the next message)
 tessera chat path/to/model.gguf
+tessera bench serve --base-url http://127.0.0.1:8000 --dataset random-mm --num-prompts 100 --max-concurrency 8
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..config import AUTO_QUANTIZATION, QUANTIZATION_METHODS
 from ..gguf_file import find_gguf_file
 from ..multimodal.media import LOCAL_FILES, MediaPolicy, check_media_io_kwargs, load_image_url, load_video_url
 from ..sampling_params import SamplingParams
+from . import bench_serve as bench_serve_module
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                        help="fetch http(s) image URLs only from these hosts (default: any public host)")  # fmt: skip
     serve.add_argument("--disable-media-url-fetch", action="store_true", help="never fetch http(s) image URLs")
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="parse tool calls from the model's output: hermes (Qwen2.5 / Qwen3 <tool_call>), "
+                       "llama3_json, mistral (default: hermes when the chat template writes <tool_call>, "
+                       "else none)")  # fmt: skip
     serve.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
                        help="message content as a string or as parts (default: what the template reads)")  # fmt: skip
     serve.add_argument("--allow-private-media-urls", action="store_true",
@@ -69,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=32 * 2**20, help="larger bodies get 413")
     _mm_processor_kwargs_option(serve)
     _pipeline_options(serve)
+
+    bench = commands.add_parser("bench", help="benchmark a running server",
+                                description="Benchmarks: `tessera bench serve` loads an OpenAI-compatible "
+                                "server.")  # fmt: skip
+    benchmarks = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    bench_serve = benchmarks.add_parser("serve", help="load an OpenAI-compatible server and report its latencies",
+                                        description="Send streaming image+text chat requests to an OpenAI-compatible "
+                                        "server (Tessera, vLLM, llama-server) at a request rate or concurrency, and "
+                                        "report throughput and TTFT / TPOT / ITL / E2E latency as vllm bench serve "
+                                        "does.")  # fmt: skip
+    bench_serve_module.add_arguments(bench_serve)
     return parser
 
 
@@ -175,6 +192,8 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "bench":
+        return bench_serve_module.run(args, stdout)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
         if args.command == "generate":  # refuse a missing file before loading the model
@@ -221,7 +240,7 @@ def _serve(args: argparse.Namespace) -> int:
                      api_key=args.api_key, media_policy=policy, max_images_per_prompt=args.max_images_per_prompt,
                      chat_template_content_format=args.chat_template_content_format,
                      max_request_bytes=args.max_request_bytes, kv_cache_memory=args.kv_cache_memory,
-                     media_io_kwargs=args.media_io_kwargs,
+                     media_io_kwargs=args.media_io_kwargs, tool_call_parser=args.tool_call_parser,
                      **_pipeline_kwargs(args), **_mm_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)
