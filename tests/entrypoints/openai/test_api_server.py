@@ -88,6 +88,21 @@ def test_logprobs_of_a_greedy_answer_are_the_most_likely(client):
         assert token.logprob <= 0 and token.logprob == max(t.logprob for t in token.top_logprobs)
 
 
+def test_streamed_logprobs_equal_the_whole_answers(client):
+    kwargs = dict(model="demo", messages=ask("What colour is the circle?", data_url(IMAGE)), temperature=0,
+                  max_tokens=4, logprobs=True, top_logprobs=2)  # fmt: skip
+    whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [
+        token
+        for chunk in client.chat.completions.create(**kwargs, stream=True)
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for token in choice.logprobs.content or []
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in whole]
+    assert [[x.token for x in t.top_logprobs] for t in streamed] == [[x.token for x in t.top_logprobs] for t in whole]
+
+
 def test_completions_take_an_inline_img_tag(client):
     for mime in ("image/png", "image/webp", "image/jpeg"):
         prompt = f'USER: <img src="{encoded(mime)}">\nWhat colour is the circle? ASSISTANT:'
