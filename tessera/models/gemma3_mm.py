@@ -219,11 +219,10 @@ class Gemma3MultiModalProcessor(BaseMultiModalProcessor[Gemma3ProcessingInfo]):
         """HF's outputs and each image's number of crops (HF computes it but drops it). The pan-and-scan
         settings go to the call (`multimodal.context.split_mm_kwargs`: Gemma3Processor's class defaults
         override what its image processor was constructed with)."""
+        processed = super()._call_hf_processor(prompt, mm_data, mm_kwargs)
         images = mm_data.get("images")
         if not images:
-            return super()._call_hf_processor(prompt, mm_data, mm_kwargs)
-        data = dict(text=prompt, **mm_data)
-        processed = self.info.ctx.call_hf_processor(self.info.get_hf_processor(**mm_kwargs), data, mm_kwargs)
+            return processed
         sizes = [image_size_of(image) for image in images]
         num_crops = [
             self.info.get_num_crops(image_width=s.width, image_height=s.height, mm_kwargs=mm_kwargs) for s in sizes

@@ -13,8 +13,8 @@ tokens take embeddings.
 
 The tiling settings are read as the HF processor reads them: `crop_to_patches` from InternVLProcessor's
 class defaults (on), `min_patches` / `max_patches` from the image processor, each overridden by the model's
-and the request's mm_processor_kwargs. Those that the context would give the processor's constructor go to
-the HF call as images_kwargs instead: there, `crop_to_patches` would lose to the processor's class default.
+and the request's mm_processor_kwargs (`multimodal.context.split_mm_kwargs` sends `crop_to_patches`, which the
+processor class defaults at call time, to the call).
 
 Videos: every frame is one tile (the video processor resizes it to `size`); the processor replaces each
 `<video>` by "Frame1: " + the frame's `<img>...</img>`, then "\\nFrame{i}: " + `<img>...</img>` for each
@@ -240,8 +240,7 @@ class InternVLMultiModalProcessor(BaseMultiModalProcessor[InternVLProcessingInfo
     def _call_hf_processor(
         self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object]
     ) -> BatchFeature:
-        """HF's outputs and each image's number of tiles (HF computes it but drops it). The tiling settings
-        that the call does not get as mm_processor_kwargs go to it as images_kwargs (see the module docstring)."""
+        """HF's outputs and each image's number of tiles (HF computes it but drops it)."""
         mm_data = dict(mm_data)
         videos = mm_data.pop("videos", None) or []
         mm_data.pop("video_metadata", None)
@@ -258,14 +257,10 @@ class InternVLMultiModalProcessor(BaseMultiModalProcessor[InternVLProcessingInfo
     def _call_hf_processor_images(
         self, prompt: str, mm_data: Mapping[str, object], mm_kwargs: Mapping[str, object]
     ) -> BatchFeature:
+        processed = super()._call_hf_processor(prompt, mm_data, mm_kwargs)
         images = mm_data.get("images")
         if not images:
-            return super()._call_hf_processor(prompt, mm_data, mm_kwargs)
-        hf_processor = self.info.get_hf_processor(**mm_kwargs)
-        call_kwargs = self.info.ctx.get_call_kwargs(hf_processor, mm_kwargs)  # these reach the call already
-        settings = {k: v for k, v in self.info.tiling_settings(mm_kwargs).items() if k not in call_kwargs}
-        data = dict(text=prompt, **mm_data, images_kwargs=settings)
-        processed = self.info.ctx.call_hf_processor(hf_processor, data, mm_kwargs)
+            return processed
         sizes = [image_size_of(image) for image in images]
         num_patches = [
             self.info.get_num_patches(image_width=s.width, image_height=s.height, mm_kwargs=mm_kwargs) for s in sizes
