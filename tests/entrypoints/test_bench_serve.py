@@ -8,7 +8,6 @@ import json
 import pytest
 from PIL import Image
 
-from tessera.entrypoints import bench_serve
 from tessera.entrypoints.cli import main
 from tessera.testing.server import API_KEY
 
@@ -74,13 +73,6 @@ def test_bench_serve_reports_failures(server, tmp_path):
                "--num-prompts", "2", "--max-tokens", "2", "--image-size", "32x32"], stdout=out)  # fmt: skip
     assert rc == 2
     assert "Failed requests:                        2" in out.getvalue()
-
-
-def test_random_mm_prompts_are_reproducible():
-    a = bench_serve.random_mm_prompts(3, [(32, 16)], 5, seed=1)
-    b = bench_serve.random_mm_prompts(3, [(32, 16)], 5, seed=1)
-    assert a == b and all(p.image_url.startswith("data:image/jpeg;base64,") and p.max_tokens == 5 for p in a)
-    assert a != bench_serve.random_mm_prompts(3, [(32, 16)], 5, seed=2)
 
 
 @pytest.mark.parametrize("bad", [["--num-prompts", "0"], ["--request-rate", "0"], ["--image-size", "12"],
