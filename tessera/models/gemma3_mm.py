@@ -97,12 +97,7 @@ class Gemma3ProcessingInfo(BaseProcessingInfo):
 
     def pan_and_scan_settings(self, mm_kwargs: Mapping[str, object] = {}) -> dict[str, Any]:
         """The HF processor's pan-and-scan settings for a request (see the module docstring)."""
-        settings = {**PAS_DEFAULTS, **getattr(Gemma3Processor, "images_kwargs", {})}
-        merged = self.ctx.get_merged_mm_kwargs(mm_kwargs)
-        nested = merged.get("images_kwargs")
-        for source in (merged, nested if isinstance(nested, Mapping) else {}):
-            settings.update({k: source[k] for k in PAS_KEYS if source.get(k) is not None})
-        return {k: settings[k] for k in PAS_KEYS}
+        return self.ctx.get_call_settings(PAS_KEYS, PAS_DEFAULTS, mm_kwargs)
 
     def get_num_crops(self, *, image_width: int, image_height: int, mm_kwargs: Mapping[str, object] = {}) -> int:
         settings = self.pan_and_scan_settings(mm_kwargs)

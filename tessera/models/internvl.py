@@ -107,13 +107,8 @@ class InternVLProcessingInfo(BaseProcessingInfo):
     def tiling_settings(self, mm_kwargs: Mapping[str, object] = {}) -> dict[str, Any]:
         """The HF processor's tiling settings for a request (see the module docstring)."""
         image_processor = self.get_hf_processor().image_processor
-        settings = {k: getattr(image_processor, k) for k in TILING_KEYS}
-        settings.update(getattr(InternVLProcessor, "images_kwargs", {}) or {})
-        merged = self.ctx.get_merged_mm_kwargs(mm_kwargs)
-        nested = merged.get("images_kwargs")
-        for source in (merged, nested if isinstance(nested, Mapping) else {}):
-            settings.update({k: source[k] for k in TILING_KEYS if source.get(k) is not None})
-        return {k: settings[k] for k in TILING_KEYS}
+        base = {k: getattr(image_processor, k) for k in TILING_KEYS}
+        return self.ctx.get_call_settings(TILING_KEYS, base, mm_kwargs)
 
     def get_num_patches(self, *, image_width: int, image_height: int, mm_kwargs: Mapping[str, object] = {}) -> int:
         """Tiles of an image of this size, the thumbnail included (GotOcr2's get_number_of_image_patches)."""

@@ -62,6 +62,24 @@ class InputProcessingContext:
         """The model config's mm_processor_kwargs, overridden by `kwargs` (a request's)."""
         return {**self.model_config.multimodal_config.mm_processor_kwargs, **kwargs}
 
+    def get_call_settings(
+        self, keys: typing.Iterable[str], base: Mapping[str, object], kwargs: Mapping[str, object] = {}
+    ) -> dict[str, object]:
+        """The values of `keys` the HF processor's call uses (e.g. an image processor's tiling options, to count
+        an item's tokens as HF will): `base` (the sub-processor's own settings), then the processor class's
+        call-time defaults (its ``images_kwargs`` / ``videos_kwargs``... class attributes), then the merged
+        mm_processor_kwargs, flat or nested under ``images_kwargs`` / ``videos_kwargs``."""
+        keys = tuple(keys)
+        settings = {key: base.get(key) for key in keys}
+        processor_class = type(self._base_processor())
+        merged = self.get_merged_mm_kwargs(kwargs)
+        layers = [getattr(processor_class, name, None) for name in _CALL_DEFAULTS]
+        layers += [merged] + [merged.get(name) for name in _CALL_DEFAULTS]
+        for layer in layers:
+            if isinstance(layer, Mapping):
+                settings.update({key: layer[key] for key in keys if layer.get(key) is not None})
+        return settings
+
     def get_hf_processor(self, typ: type[_P] = ProcessorMixin, /, **kwargs: object) -> _P:  # type: ignore[assignment]
         """The model folder's HF processor, sharing our tokenizer, built with the merged
         mm_processor_kwargs that its constructor takes (see the module docstring). One instance per

@@ -189,6 +189,26 @@ def test_keys_a_processor_class_defaults_at_call_time_go_to_the_call(tmp_path):
     assert split.call == {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 2} and not split.constructor
 
 
+def test_call_settings_layer_the_class_defaults_and_the_kwargs(tmp_path):
+    from tessera.testing.gemma3 import build_tiny_gemma3
+
+    folder = build_tiny_gemma3(tmp_path / "gemma3")
+    keys, base = (
+        ("do_pan_and_scan", "pan_and_scan_max_num_crops"),
+        {"do_pan_and_scan": None, "pan_and_scan_max_num_crops": 7},
+    )
+    # Gemma3Processor's class attribute images_kwargs sets both: it wins over the sub-processor's values
+    defaults = AutoProcessor.from_pretrained(folder).images_kwargs
+    assert context(folder).get_call_settings(keys, base) == {k: defaults[k] for k in keys}
+    model_level = context(folder, do_pan_and_scan=True)  # the model's mm_processor_kwargs, then the request's
+    assert model_level.get_call_settings(keys, base)["do_pan_and_scan"] is True
+    request = {"images_kwargs": {"pan_and_scan_max_num_crops": 2}, "do_pan_and_scan": False}
+    assert model_level.get_call_settings(keys, base, request) == {
+        "do_pan_and_scan": False,
+        "pan_and_scan_max_num_crops": 2,
+    }
+
+
 def test_use_fast_goes_to_from_pretrained(tiny_llava_dir):
     assert split_mm_kwargs(context(tiny_llava_dir).get_hf_processor(), {"use_fast": True}).constructor == {
         "use_fast": True
