@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from ...multimodal.media import check_media_io_kwargs
 from ...sampling_params import SamplingParams, StructuredOutputsParams
 from .structured_outputs import GUIDED, StructuredOutputError, structured_outputs_of
-from .tools import ChatTool, NamedToolChoice, ToolChoice, check_tools, structured_tool_choice_supported
+from .tools import ChatTool, ToolChoice, check_tools
 
 # OpenAI (and vLLM) parameters Tessera does not implement, with the values that mean "off".
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -152,14 +152,6 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _check_tools(self) -> "ChatCompletionRequest":
         check_tools(self.tools, self.tool_choice)
-        if (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)) and not (
-            structured_tool_choice_supported()
-        ):  # TODO(structured outputs): see tools.structured_tool_choice_supported
-            raise UnsupportedParameter(
-                "tool_choice",
-                'tool_choice "required" or a named function is not supported yet (it needs structured outputs); '
-                'use "auto" or "none".',
-            )
         return self
 
     def to_sampling_params(self) -> SamplingParams:

@@ -3,8 +3,8 @@ tools as chat templates take them.
 
 `tool_choice` "none" keeps the tools out of the prompt; "auto" (the default when tools are given)
 renders them through the chat template and parses the answer with the server's tool-call parser.
-"required" and a named function need the answer constrained to a call, which takes structured
-outputs: they are refused until those exist (see `structured_tool_choice_supported`)."""
+"required" and a named function constrain the answer to a call with structured outputs
+(`tool_choice_schema`), so its arguments always parse."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...sampling_params import SamplingParams
 from .tool_parsers import ToolParser
 from .tool_parsers.constrained import NamedFunctionToolParser, RequiredToolParser
 
@@ -47,20 +46,6 @@ class NamedToolChoice(BaseModel):
 
 
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
-
-
-def structured_tool_choice_supported() -> bool:
-    """Whether `tool_choice` "required" or a named function can be enforced.
-
-    TODO(structured outputs, issue 21): the serving path is wired (OpenAIServing.chat sets
-    `SamplingParams.structured_outputs = {"json": tool_choice_schema(...)}` and reads the answer
-    with `constrained_tool_parser`); remove `ENFORCED_TOOL_CHOICE = False` below once structured
-    outputs are enforced by the engine (and an end-to-end test shows the arguments always parse)."""
-    has_field = "structured_outputs" in getattr(SamplingParams, "__dataclass_fields__", {})
-    return has_field and ENFORCED_TOOL_CHOICE
-
-
-ENFORCED_TOOL_CHOICE = True  # structured outputs enforce the call (engine/structured_output.py)
 
 
 def check_tools(tools: Optional[list[ChatTool]], tool_choice: Optional[ToolChoice]) -> None:
