@@ -165,13 +165,14 @@ class ModelConfig:
             self.dtype = getattr(self.hf_config, "dtype", None) or torch.float32
         self.dtype = parse_dtype(self.dtype)
         self.quantization = check_quantization(self.quantization, allow_auto=True)
+        file_quantization = gguf_quantization(gguf_file) if gguf_file is not None else None
         if self.quantization == AUTO_QUANTIZATION:
-            self.quantization = gguf_quantization(gguf_file) if gguf_file is not None else None
+            self.quantization = file_quantization
             logger.info("quantization='auto': %s", self.quantization or "none (dense weights)")
-        elif gguf_file is not None and self.quantization is None and gguf_quantization(gguf_file) is not None:
+        elif self.quantization is None and file_quantization is not None:
             logger.info(
                 "The GGUF file's weights are de-quantized to %s; quantization='auto' keeps them %s (less memory, "
-                "faster decode with dtype='bfloat16')", self.dtype, gguf_quantization(gguf_file),
+                "faster decode with dtype='bfloat16')", self.dtype, file_quantization,
             )  # fmt: skip
         self.vision_dtype = parse_dtype(self.vision_dtype or self.dtype, "vision_dtype")
         self.projector_dtype = parse_dtype(self.projector_dtype or self.dtype, "projector_dtype")
