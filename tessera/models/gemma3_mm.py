@@ -35,7 +35,7 @@ from tessera.models.gemma3 import Gemma3RMSNorm
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
 from tessera.models.registry import ModelRegistry
 from tessera.models.siglip import SiglipVisionModel
-from tessera.models.utils import module_dtype_device
+from tessera.models.utils import module_dtype_device, stack_images
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from tessera.multimodal.parse import ImageProcessorItems, ImageSize, MultiModalDataItems, image_size_of
@@ -327,10 +327,7 @@ class Gemma3ForConditionalGeneration(nn.Module, SupportsMultiModal):
         pixel_values = kwargs.get("pixel_values")
         if pixel_values is None:
             return None
-        if isinstance(pixel_values, (list, tuple)):
-            pixel_values = torch.cat([torch.as_tensor(p).reshape(-1, *p.shape[-3:]) for p in pixel_values])
-        if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
-            raise ValueError("pixel_values must be (images and crops, channels, height, width)")
+        pixel_values = stack_images(pixel_values, "pixel_values", "images and crops")
         num_crops = kwargs.get("num_crops")
         crops = [0] * pixel_values.shape[0] if num_crops is None else torch.as_tensor(num_crops).reshape(-1).tolist()
         features = self._image_features(pixel_values)

@@ -40,7 +40,7 @@ from tessera.layers.linear import Linear
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
 from tessera.models.internvl_vision import InternVLVisionModel, check_feature_layer
 from tessera.models.registry import ModelRegistry
-from tessera.models.utils import module_dtype_device
+from tessera.models.utils import module_dtype_device, stack_images
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from tessera.multimodal.parse import (
@@ -390,10 +390,7 @@ class InternVLForConditionalGeneration(nn.Module, SupportsMultiModal):
         return self._embed(kwargs["pixel_values"], kwargs.get("num_patches"), "pixel_values")
 
     def _embed(self, pixel_values: Any, num_patches: Any, name: str) -> list[torch.Tensor]:
-        if isinstance(pixel_values, (list, tuple)):
-            pixel_values = torch.cat([torch.as_tensor(p).reshape(-1, *p.shape[-3:]) for p in pixel_values])
-        if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
-            raise ValueError(f"{name} must be (tiles, channels, height, width)")
+        pixel_values = stack_images(pixel_values, name, "tiles")
         if num_patches is None:
             sizes = [1] * pixel_values.shape[0]
         else:

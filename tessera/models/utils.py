@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -46,6 +46,16 @@ def merge_multimodal_embeddings_by_mask(
     flat = flatten_embeddings(multimodal_embeddings)
     inputs_embeds[is_multimodal] = flat.to(device=inputs_embeds.device, dtype=inputs_embeds.dtype)
     return inputs_embeds
+
+
+def stack_images(pixel_values: Any, name: str, what: str = "images") -> torch.Tensor:
+    """A batch's pixel values as one [N, channels, height, width] tensor: a tensor as it is, or a list of
+    per-item tensors (each [..., C, H, W]) concatenated; anything else is a ValueError naming `name`."""
+    if isinstance(pixel_values, (list, tuple)):
+        pixel_values = torch.cat([torch.as_tensor(p).reshape(-1, *p.shape[-3:]) for p in pixel_values])
+    if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
+        raise ValueError(f"{name} must be ({what}, channels, height, width)")
+    return pixel_values
 
 
 def module_dtype_device(module: torch.nn.Module) -> tuple[torch.dtype, torch.device]:

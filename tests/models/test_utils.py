@@ -11,6 +11,7 @@ from tessera.models.utils import (
     merge_multimodal_embeddings,
     merge_multimodal_embeddings_by_mask,
     module_dtype_device,
+    stack_images,
 )
 
 HIDDEN = 4
@@ -128,3 +129,11 @@ def test_merge_with_no_items_and_no_placeholders_is_a_no_op():
     before = embeds.clone()
     assert merge_multimodal_embeddings(torch.tensor([5, 6, 7]), embeds, [], placeholder_token_id=9) is embeds
     torch.testing.assert_close(embeds, before)
+
+
+def test_stack_images_concatenates_items_and_names_a_bad_input():
+    a, b = torch.randn(1, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    assert torch.equal(stack_images([a, b], "pixel_values"), torch.cat([a, b]))
+    assert stack_images(b, "pixel_values") is b
+    with pytest.raises(ValueError, match=r"pixel_values_videos must be \(tiles, channels"):
+        stack_images(torch.randn(3, 4, 4), "pixel_values_videos", "tiles")
