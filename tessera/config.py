@@ -251,3 +251,26 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks the language model is split over (attention heads, MLP channels, vocabulary, KV cache): this
+    process is rank 0 and runs the scheduler and the vision encoder; the others are worker processes."""
+
+    distributed_executor_backend: Optional[str] = None
+    """Where the other ranks run: "mp" (local processes, the default) or "ray" (Ray actors, on any node of
+    the Ray cluster this process is connected to; needs `pip install tessera[ray]`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            choices = ", ".join(DISTRIBUTED_EXECUTOR_BACKENDS)
+            raise ValueError(f"Unsupported distributed_executor_backend {backend!r}; use one of {choices}")
+        self.distributed_executor_backend = backend or "mp"

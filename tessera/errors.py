@@ -22,3 +22,8 @@ class ServerBusyError(RuntimeError):
     """Too much work of one kind is in flight (e.g. media fetches); retry later: 503."""
 
     status_code = 503
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker died or the ranks fell out of step: the engine cannot run another step
+    and must be restarted (unlike a model error, which fails only that step's requests)."""

@@ -8,8 +8,9 @@ import time
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-from ..config import CacheConfig, ModelConfig, MultiModalConfig, SchedulerConfig
-from ..errors import InputError
+from ..config import CacheConfig, ModelConfig, MultiModalConfig, ParallelConfig, SchedulerConfig
+from ..distributed import get_tp_group, tensor_parallel_group
+from ..errors import InputError, WorkerDiedError
 from ..layers.kv_cache import kv_cache_bytes_per_block, kv_window
 from ..models.factory import build_model
 from ..multimodal.context import load_tokenizer
@@ -25,6 +26,7 @@ from .prompt import PromptInputs, PromptType
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
 from .structured_output import StructuredOutputManager
+from .workers import WorkerGroup, start_workers
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +37,28 @@ class LLMEngine:
         model_config: ModelConfig,
         cache_config: Optional[CacheConfig] = None,
         scheduler_config: Optional[SchedulerConfig] = None,
+        parallel_config: Optional[ParallelConfig] = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config = scheduler_config or SchedulerConfig()
+        self.parallel_config = parallel_config = parallel_config or ParallelConfig()
         self.tokenizer = load_tokenizer(model_config)
-        self.built = build_model(model_config, self.tokenizer)
+        self.workers: Optional[WorkerGroup] = None
+        if parallel_config.tensor_parallel_size > 1:
+            if model_config.multimodal_config.uses_pipeline:
+                raise ValueError("Vision pipelines do not support tensor parallelism; use tensor_parallel_size=1.")
+            self.workers = start_workers(model_config, parallel_config)
+        try:
+            self._init(model_config, cache_config, scheduler_config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig) -> None:
+        group = self.workers.group if self.workers is not None else get_tp_group()
+        with tensor_parallel_group(group):  # the language model's layers take this rank's slice
+            self.built = build_model(model_config, self.tokenizer)
         self.model, self.processor, self.pipeline = self.built.model, self.built.processor, self.built.pipeline
 
         text_config = model_config.hf_config.get_text_config()
@@ -82,6 +100,7 @@ class LLMEngine:
             block_size=cache_config.block_size,
             dtype=model_config.dtype,
             device=model_config.device,
+            workers=self.workers,
         )
         limits = EngineLimits(
             max_model_len=self.max_model_len,
@@ -114,9 +133,9 @@ class LLMEngine:
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "LLMEngine":
-        """An engine for a model folder; options are fields of ModelConfig, CacheConfig,
-        SchedulerConfig and MultiModalConfig (limit_mm_per_prompt is MultiModalConfig.limit_per_prompt)."""
-        configs = (ModelConfig, CacheConfig, SchedulerConfig, MultiModalConfig)
+        """An engine for a model folder; options are fields of ModelConfig, CacheConfig, SchedulerConfig,
+        ParallelConfig and MultiModalConfig (limit_mm_per_prompt is MultiModalConfig.limit_per_prompt)."""
+        configs = (ModelConfig, CacheConfig, SchedulerConfig, MultiModalConfig, ParallelConfig)
         groups: dict[type, dict[str, Any]] = {c: {} for c in configs}
         renames = {"limit_mm_per_prompt": "limit_per_prompt"}
         settable = {c: {f.name for f in dataclasses.fields(c) if f.init} for c in configs}  # not hf_config, gguf_file
@@ -128,7 +147,12 @@ class LLMEngine:
             groups[owner][name] = value
         mm_config = MultiModalConfig(**groups[MultiModalConfig])
         model_config = ModelConfig(model, multimodal_config=mm_config, **groups[ModelConfig])
-        return cls(model_config, CacheConfig(**groups[CacheConfig]), SchedulerConfig(**groups[SchedulerConfig]))
+        return cls(
+            model_config,
+            CacheConfig(**groups[CacheConfig]),
+            SchedulerConfig(**groups[SchedulerConfig]),
+            ParallelConfig(**groups[ParallelConfig]),
+        )
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -197,7 +221,7 @@ class LLMEngine:
         A failure while running the model fails the requests of this step (finish reason "error",
         `RequestOutput.error` says why) and leaves the engine serving the others; a failure making
         one request's output fails that request only. Only a failure of the scheduler itself (the
-        engine's own state) propagates."""
+        engine's own state) and `WorkerDiedError` (a tensor-parallel rank died) propagate."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             if self.scheduler.has_unfinished_requests():
@@ -205,6 +229,8 @@ class LLMEngine:
             return []
         try:
             sampled = self.runner.execute(out, self.block_manager, self.encoder_cache)
+        except WorkerDiedError:  # the ranks are out of step: no step can run any more
+            raise
         except Exception as e:
             if self._profiling:  # the configuration cannot run at all: say so at start-up
                 raise
@@ -249,6 +275,16 @@ class LLMEngine:
             )
             outputs.append(self.output_processor.output(parent_id))
         return outputs
+
+    def check_health(self) -> None:
+        """Raise `WorkerDiedError` if a tensor-parallel worker has died."""
+        if self.workers is not None:
+            self.workers.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ---- start-up ---------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Runs one scheduled step on the model: encoder for new items, merge, decoder, sampler.
 
-Tokens of all scheduled requests are flattened into one batch. For each prompt chunk, the rows
+Tokens of all scheduled requests are flattened into one batch (`ModelInputs`, what every
+tensor-parallel rank runs; the encoder runs here, on rank 0 only). For each prompt chunk, the rows
 of the encoder outputs that fall in the chunk (by the placeholders' is_embed masks) replace the
 text embeddings at those positions, so an image split across chunks is encoded once.
 """
@@ -8,11 +9,10 @@ text embeddings at those positions, so an image split across chunks is encoded o
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..layers.attention import AttentionMetadata, attention_metadata
 from ..layers.cpu_kernels import describe_cpu_kernels
 from ..layers.kv_cache import allocate_kv_cache
 from ..layers.linear import pack_linears_for_cpu
@@ -23,24 +23,35 @@ from ..multimodal.inputs import MultiModalKwargs
 from ..multimodal.utils import group_by_modality
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
+from .model_inputs import ModelInputs, run_model
 from .request import Request
 from .scheduler import SchedulerOutput
 from .structured_output import token_mask
+
+if TYPE_CHECKING:
+    from .workers import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: str
+        self,
+        model: torch.nn.Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str,
+        workers: Optional["WorkerGroup"] = None,
     ) -> None:
-        self.model, self.block_size, self.device = model, block_size, device
+        """`workers`: the other tensor-parallel ranks (this runner is rank 0), None with one rank."""
+        self.model, self.block_size, self.device, self.workers = model, block_size, device, workers
         self.uses_mrope = supports_mrope(model)
         self.is_mm_prefix_lm = bool(getattr(model, "is_mm_prefix_lm", False))
-        allocate_kv_cache(model, num_blocks, block_size, dtype, device)
-        if torch.device(device).type == "cpu":
-            logger.info(describe_cpu_kernels())
-            pack_linears_for_cpu(model)
+        if workers is not None:  # the workers allocate the same cache over their heads
+            workers.start_model(num_blocks, block_size, dtype)
+        prepare_model_for_steps(model, num_blocks, block_size, dtype, device)
 
     @torch.inference_mode()
     def execute(
@@ -49,9 +60,30 @@ class ModelRunner:
         """Run the step; returns request id -> (sampled token, logprobs) for the requests whose
         computed tokens reach their end (chunks in the middle of a prompt sample nothing)."""
         self._encode(out, encoder_cache)
+        inputs, sampling = self._prepare(out, block_manager, encoder_cache)
+        if self.workers is None:
+            logits = run_model(self.model, inputs, self.block_size, self.device)
+        else:
+            logits = self.workers.run_model(lambda: run_model(self.model, inputs, self.block_size, self.device), inputs)
+        if logits is None:
+            return {}
+        # the grammars' bitmask is filled on the CPU while the device runs the step (launched above)
+        mask = token_mask(sampling)
+        result: SamplerOutput = sample(
+            logits, [r.sampling_params for r in sampling], [r.generator for r in sampling], mask
+        )
+        return {
+            request.request_id: (token, logprobs)
+            for request, token, logprobs in zip(sampling, result.token_ids, result.logprobs)
+        }
+
+    def _prepare(
+        self, out: SchedulerOutput, block_manager: BlockManager, encoder_cache: EncoderCache
+    ) -> tuple[ModelInputs, list[Request]]:
+        """The step's `ModelInputs` (what every rank runs) and the requests sampled, in row order."""
         ids: list[int] = []
         positions: list[torch.Tensor] = []  # per request: [n] or, for M-RoPE, [3, n]
-        is_multimodal, rows, sampling = [], [], []
+        is_multimodal, rows, sample_rows, sampling = [], [], [], []
         for step in out.scheduled:
             request, start = step.request, step.request.num_computed_tokens
             end = start + step.num_new_tokens
@@ -65,36 +97,21 @@ class ModelRunner:
                 rows.append(encoder_cache.get(item.hash)[item_rows])
             is_multimodal.append(mask)
             if end == request.num_tokens:
-                sampling.append((len(ids) - 1, request))
-
-        metadata = AttentionMetadata.build(
-            [s.num_new_tokens for s in out.scheduled],
-            [s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled],
-            [block_manager.blocks_of(s.request) for s in out.scheduled],
-            self.block_size,
-            self.device,
+                sample_rows.append(len(ids) - 1)
+                sampling.append(request)
+        multimodal = supports_multimodal(self.model)
+        inputs = ModelInputs(
+            input_ids=torch.tensor(ids),
+            positions=torch.cat(positions, dim=-1),
+            query_lens=[s.num_new_tokens for s in out.scheduled],
+            context_lens=[s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled],
+            block_tables=[block_manager.blocks_of(s.request) for s in out.scheduled],
+            sample_rows=sample_rows,
+            is_multimodal=torch.cat(is_multimodal) if multimodal else None,
+            mm_rows=rows if multimodal else None,
             bidirectional_spans=[_item_spans(s.request) for s in out.scheduled] if self.is_mm_prefix_lm else None,
         )
-        input_ids = torch.tensor(ids, device=self.device)
-        if supports_multimodal(self.model):
-            mask = torch.cat(is_multimodal).to(self.device)
-            inputs_embeds = self.model.get_input_embeddings(input_ids, rows or None, is_multimodal=mask)
-        else:
-            inputs_embeds = self.model.get_input_embeddings(input_ids)
-        with attention_metadata(metadata):
-            hidden = self.model(None, torch.cat(positions, dim=-1).to(self.device), inputs_embeds=inputs_embeds)
-        if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden[[row for row, _ in sampling]])  # [num_sampling, vocab]
-        # the grammars' bitmask is filled on the CPU while the device runs the step (launched above)
-        mask = token_mask([r for _, r in sampling])
-        result: SamplerOutput = sample(
-            logits, [r.sampling_params for _, r in sampling], [r.generator for _, r in sampling], mask
-        )
-        return {
-            request.request_id: (token, logprobs)
-            for (_, request), token, logprobs in zip(sampling, result.token_ids, result.logprobs)
-        }
+        return inputs, sampling
 
     def _positions(self, request: Request, start: int, end: int) -> torch.Tensor:
         """Positions of tokens start..end-1: [n], or [3, n] for an M-RoPE model (the prompt's from
@@ -127,6 +144,16 @@ class ModelRunner:
                         f"{item.num_embeds} placeholder positions"
                     )
                 encoder_cache.put(item.hash, item_embeddings, out.encoder_users[item.hash])
+
+
+def prepare_model_for_steps(
+    model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: str
+) -> None:
+    """Give the model its KV cache and, on CPU, its packed linears (every rank does the same)."""
+    allocate_kv_cache(model, num_blocks, block_size, dtype, device)
+    if torch.device(device).type == "cpu":
+        logger.info(describe_cpu_kernels())
+        pack_linears_for_cpu(model)
 
 
 def _item_spans(request: Request) -> list[tuple[int, int]]:

@@ -23,11 +23,17 @@ class LLM:
     `max_num_batched_tokens`, `enable_prefix_caching`, `free_out_of_window_blocks`, `limit_mm_per_prompt`,
     `mm_processor_kwargs` (HF processor kwargs for every prompt), `quantization` ("int8": int8 weights for the
     language model's linears; "int4": 4-bit weights in groups of 32 inputs; "auto": a GGUF file's weights stay
-    about as small as the file has them)."""
+    about as small as the file has them), `tensor_parallel_size` (split the language model over that many
+    ranks: this process and worker processes, or Ray actors with `distributed_executor_backend="ray"`; a
+    script using it needs an `if __name__ == "__main__":` guard, as workers are spawned)."""
 
     def __init__(self, model: str, **options: Any) -> None:
         self.engine = LLMEngine.from_options(model, **options)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -13,6 +13,12 @@ or int4 values two a byte [out, in / 2] and a scale and zero per group of inputs
 
 `MergedLinear` fuses projections that read the same input (q/k/v, gate/up) into one matmul; the
 loader fills each shard from the checkpoint tensor named after it.
+
+Tensor parallelism (Megatron's split, as vLLM's layers of the same names): a `ColumnParallelLinear` holds
+this rank's rows of the weight (its slice of the outputs: attention heads, MLP channels), a
+`RowParallelLinear` its columns (the matching slice of the inputs) and sums the ranks' partial outputs,
+so a block costs one all-reduce. Their `shard_weight` cuts a checkpoint tensor to this rank's slice as
+the loader reads it. With one rank they are plain `Linear`s and run no collective.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import divide, get_tp_group
 from .cpu_kernels import PACKED, int8_linear, kernel_mode, linear_kernel, pack_weight, packed_linear
 from .int4_kernels import int4_linear
 
@@ -71,6 +78,48 @@ class MergedLinear(Linear):
     def split(self, output: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """[..., sum(widths)] -> one tensor per shard, in order."""
         return output.split(list(self.shards.values()), dim=-1)
+
+
+class ColumnParallelLinear(Linear):
+    """out_features split over the tensor-parallel ranks: this rank computes its slice of the outputs."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp = get_tp_group()
+        super().__init__(in_features, divide(out_features, self.tp.world_size, "out_features"), bias=bias)
+
+    def shard_weight(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint weight [out, in] or bias [out] -> this rank's rows."""
+        return tensor.chunk(self.tp.world_size, dim=0)[self.tp.rank]
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """A `MergedLinear` whose every projection is split over the ranks (q, k and v by heads; gate and up
+    by channels): this rank's slice of each, fused."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
+        self.tp = get_tp_group()
+        local = {name: divide(width, self.tp.world_size, f"The width of {name}") for name, width in shards.items()}
+        super().__init__(in_features, local, bias=bias)
+
+    shard_weight = ColumnParallelLinear.shard_weight
+
+
+class RowParallelLinear(Linear):
+    """in_features split over the ranks (the outputs of a column-parallel layer before it): each rank's
+    partial product is summed over the ranks. The bias is added once, by rank 0's slice."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp = get_tp_group()
+        super().__init__(divide(in_features, self.tp.world_size, "in_features"), out_features, bias=bias)
+
+    def shard_weight(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint weight [out, in] -> this rank's columns; the bias stays whole on rank 0, zero elsewhere."""
+        if param == "bias":
+            return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+        return tensor.chunk(self.tp.world_size, dim=1)[self.tp.rank]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
 
 
 def pack_linears_for_cpu(model: nn.Module, batch_size_hint: int = 16, mode: Optional[str] = None) -> int:

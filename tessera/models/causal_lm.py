@@ -10,14 +10,14 @@ Per layer, the skeleton reads from the config (HF 5.x fields):
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..layers.linear import Linear
 from ..layers.rotary import get_rope
+from ..layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -67,7 +67,7 @@ class DecoderModel(nn.Module):
     """`embed_tokens`, `layers` (built by `make_layer(config, rotary_emb, sliding_window)`) and a final
     norm registered under `norm_name` (HF's name). `windows`: per-layer sliding windows when the model
     does not take them from `layer_types`; `embed_tokens`: a model's own embedding module (Gemma 3
-    scales it), an nn.Embedding otherwise."""
+    scales it), a `VocabParallelEmbedding` otherwise."""
 
     def __init__(
         self,
@@ -81,7 +81,7 @@ class DecoderModel(nn.Module):
     ) -> None:
         super().__init__()
         if embed_tokens is None:
-            embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_tokens = embed_tokens
         windows = sliding_windows(config) if windows is None else windows
         ropes = rotary_embeddings(config)
@@ -118,11 +118,15 @@ class CausalLM(nn.Module):
     """`model` maps ids or embeddings [T(, hidden)] and positions [T] to hidden states [T, hidden];
     `lm_head` maps them to logits (tied to the input embeddings if the config says so)."""
 
+    supports_tensor_parallel: ClassVar[bool] = True
+    """Whether the decoder's layers split over tensor-parallel ranks (heads and MLP channels); a model
+    whose layers do not sets False, and loading it with tensor_parallel_size > 1 fails."""
+
     def __init__(self, config: PretrainedConfig, model: nn.Module) -> None:
         super().__init__()
         self.config = config
         self.model = model
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Gemma3TextConfig
 
+from tessera.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from tessera.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 from tessera.models.llama import LlamaAttention, LlamaMLP
 
@@ -43,7 +44,7 @@ class Gemma3RMSNorm(nn.Module):
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
-class Gemma3TextScaledWordEmbedding(nn.Embedding):
+class Gemma3TextScaledWordEmbedding(VocabParallelEmbedding):
     """Embeddings times sqrt(hidden_size), the scale rounded to the embedding dtype first (as HF's
     float32 buffer cast to the weight dtype: 55.4256 becomes 55.5 in bfloat16)."""
 

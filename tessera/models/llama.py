@@ -12,10 +12,11 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
+from tessera.distributed import divide, get_tp_group
 from tessera.layers.activations import get_activation
 from tessera.layers.attention import PagedAttention
 from tessera.layers.layernorm import RMSNorm
-from tessera.layers.linear import Linear, MergedLinear
+from tessera.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from tessera.models.causal_lm import CausalLM, DecoderLayer, DecoderModel, MakeLayer, head_dim_of
 
 
@@ -38,16 +39,20 @@ class LlamaAttention(nn.Module):
         and k before rotary (`q_norm`, `k_norm`: Qwen3, Gemma 3). `scale`: head_dim ** -0.5 unless
         given (Gemma 3: query_pre_attn_scalar ** -0.5)."""
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        # With tensor parallelism each rank holds num_heads / tp query heads and num_kv_heads / tp kv heads.
+        tp = get_tp_group().world_size
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.num_heads = divide(total_heads, tp, "num_attention_heads")
+        self.num_kv_heads = divide(total_kv_heads, tp, "num_key_value_heads")
         self.head_dim = head_dim_of(config)
         bias = getattr(config, "attention_bias", False)
-        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_width, kv_width = total_heads * self.head_dim, total_kv_heads * self.head_dim
         shards = {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}
-        self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=bias if qkv_bias is None else qkv_bias)
-        self.o_proj = Linear(
-            self.num_heads * self.head_dim, config.hidden_size, bias=bias if o_bias is None else o_bias
+        self.qkv_proj = MergedColumnParallelLinear(
+            config.hidden_size, shards, bias=bias if qkv_bias is None else qkv_bias
         )
+        self.o_proj = RowParallelLinear(q_width, config.hidden_size, bias=bias if o_bias is None else o_bias)
         self.q_norm = qk_norm(self.head_dim) if qk_norm else None
         self.k_norm = qk_norm(self.head_dim) if qk_norm else None
         self.rotary_emb = rotary_emb
@@ -78,8 +83,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         shards = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
-        self.gate_up_proj = MergedLinear(config.hidden_size, shards, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, shards, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = get_activation(activation or config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

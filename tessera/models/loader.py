@@ -17,9 +17,11 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import ModelConfig
+from ..distributed import get_tp_group
 from ..layers.linear import MergedLinear
 from ..layers.mrope import uses_mrope
 from ..layers.quantization import quantize_linears
+from .causal_lm import CausalLM
 from .interfaces import supports_mrope
 from .registry import ModelRegistry
 
@@ -40,6 +42,7 @@ def load_model(model_config: ModelConfig, *, ignore_prefixes: tuple[str, ...] = 
         )
     with torch.device("meta"):  # no memory, no random init: every tensor comes from the checkpoint
         model = model_cls(model_config.hf_config)
+    check_tensor_parallel(model, architecture)
     if model_config.gguf_file is not None:
         from .gguf import iter_gguf_checkpoint
 
@@ -52,6 +55,21 @@ def load_model(model_config: ModelConfig, *, ignore_prefixes: tuple[str, ...] = 
     if model_config.quantization is not None:  # the language model only: vision tower and projector keep their dtype
         quantize_linears(model, model_config.quantization, skip=getattr(model, "multimodal_parts", {}).values())
     return model.eval()
+
+
+def check_tensor_parallel(model: nn.Module, architecture: str) -> None:
+    """Under tensor parallelism (built inside `tensor_parallel_group`), every language model in `model`
+    must split its layers over the ranks; others would run whole on each rank and be summed wrongly."""
+    world_size = get_tp_group().world_size
+    if world_size == 1:
+        return
+    language_models = [m for m in model.modules() if isinstance(m, CausalLM)]
+    unsupported = sorted({type(m).__name__ for m in language_models if not m.supports_tensor_parallel})
+    if not language_models or unsupported:
+        raise ValueError(
+            f"{architecture} does not support tensor parallelism ({', '.join(unsupported) or 'no language model'}"
+            f" cannot split its layers over ranks); run it with tensor_parallel_size=1."
+        )
 
 
 def place_parts(model: nn.Module, model_config: ModelConfig) -> None:
@@ -84,6 +102,7 @@ def load_tensors(
     """Assign every parameter and persistent buffer of `model` from (checkpoint name, tensor) pairs
     read from `source` (named in errors; `described_by`: what gave the model's shapes)."""
     expected = model.state_dict(keep_vars=True)
+    sharded = _sharded_params(model)
     tied = _tied_names(model)
     shard_targets = _shard_targets(model)
     loaded: dict[str, torch.Tensor] = {}
@@ -97,6 +116,8 @@ def load_tensors(
         if fused not in expected:
             unexpected.append(hf_name)
             continue
+        if fused in sharded:  # tensor parallelism: this rank's slice of the checkpoint tensor
+            tensor = sharded[fused].shard_weight(fused.rpartition(".")[2], tensor)
         want = expected[fused][rows].shape
         if tuple(tensor.shape) != tuple(want):
             raise ValueError(
@@ -175,6 +196,18 @@ def _shard_targets(model: nn.Module) -> dict[str, tuple[str, slice]]:
                 for param in params:
                     targets[f"{parent}.{shard}.{param}"] = (f"{module_name}.{param}", rows)
     return targets
+
+
+def _sharded_params(model: nn.Module) -> dict[str, nn.Module]:
+    """Names of the parameters a tensor-parallel layer holds a slice of -> that layer (its `shard_weight`
+    cuts a checkpoint tensor to the slice)."""
+    owners = {}
+    for module_name, module in model.named_modules():
+        tp = getattr(module, "tp", None)
+        if hasattr(module, "shard_weight") and tp is not None and tp.world_size > 1:
+            for param, _ in module.named_parameters(recurse=False):
+                owners[f"{module_name}.{param}" if module_name else param] = module
+    return owners
 
 
 def _shards_by_fused(targets: Mapping[str, tuple[str, slice]]) -> dict[str, list[str]]:

@@ -70,5 +70,7 @@ class PersimmonModel(DecoderModel):
 
 
 class PersimmonForCausalLM(CausalLM):
+    supports_tensor_parallel = False  # its fused query_key_value interleaves heads; not split yet
+
     def __init__(self, config: PersimmonConfig) -> None:
         super().__init__(config, PersimmonModel(config))

@@ -1,0 +1,67 @@
+"""One step's inputs to the language model, as every tensor-parallel rank runs them.
+
+The driver (rank 0) turns the scheduler's output into `ModelInputs`: plain tensors and lists, with the
+encoder outputs the step merges already cut to their rows, so a worker needs neither the requests, the
+block manager nor the vision encoder. Rank 0 sends them to the workers; every rank then runs
+`run_model` in lockstep (the parallel layers' collectives pair up) and gets the same logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..layers.attention import AttentionMetadata, attention_metadata
+from ..models.interfaces import supports_multimodal
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor
+    """[T] token ids of the step's new tokens, all sequences flattened."""
+
+    positions: torch.Tensor
+    """[T], or [3, T] for M-RoPE models."""
+
+    query_lens: list[int]
+    """New tokens per sequence."""
+
+    context_lens: list[int]
+    """Tokens per sequence once this step's are in the cache."""
+
+    block_tables: list[list[int]]
+
+    sample_rows: list[int]
+    """Rows of the step whose logits are sampled (each sequence's last token, where it reaches its end)."""
+
+    is_multimodal: Optional[torch.Tensor] = None
+    """[T] bool, True where an encoder output row replaces the token's embedding (multimodal models)."""
+
+    mm_rows: Optional[list[torch.Tensor]] = None
+    """The encoder output rows that go there, in order."""
+
+    bidirectional_spans: Optional[list[list[tuple[int, int]]]] = None
+    """Per sequence, spans that attend both ways (prefix-LM models)."""
+
+
+@torch.inference_mode()
+def run_model(model: torch.nn.Module, inputs: ModelInputs, block_size: int, device: str) -> Optional[torch.Tensor]:
+    """Embeddings (merged with the encoder rows), the decoder over the paged KV cache, and the logits
+    [len(sample_rows), vocab] (None when no row is sampled)."""
+    metadata = AttentionMetadata.build(
+        inputs.query_lens, inputs.context_lens, inputs.block_tables, block_size, device,
+        bidirectional_spans=inputs.bidirectional_spans,
+    )  # fmt: skip
+    input_ids = inputs.input_ids.to(device)
+    if supports_multimodal(model):
+        mask = inputs.is_multimodal.to(device)
+        inputs_embeds = model.get_input_embeddings(input_ids, inputs.mm_rows or None, is_multimodal=mask)
+    else:
+        inputs_embeds = model.get_input_embeddings(input_ids)
+    with attention_metadata(metadata):
+        hidden = model(None, inputs.positions.to(device), inputs_embeds=inputs_embeds)
+    if not inputs.sample_rows:
+        return None
+    return model.compute_logits(hidden[inputs.sample_rows])  # [num_sampling, vocab]
