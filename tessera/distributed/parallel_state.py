@@ -11,6 +11,7 @@ collective.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import datetime
 import os
 import pickle
@@ -75,22 +76,22 @@ class TensorParallelGroup:
 
 
 SINGLE_RANK = TensorParallelGroup()
-_current: list[TensorParallelGroup] = []
+_current: contextvars.ContextVar[TensorParallelGroup] = contextvars.ContextVar("tessera_tp_group", default=SINGLE_RANK)
 
 
 def get_tp_group() -> TensorParallelGroup:
     """The group layers being built now belong to (a single rank outside `tensor_parallel_group`)."""
-    return _current[-1] if _current else SINGLE_RANK
+    return _current.get()
 
 
 @contextlib.contextmanager
 def tensor_parallel_group(group: TensorParallelGroup) -> Iterator[TensorParallelGroup]:
-    """Build a model's layers for `group` (each layer keeps the group it was built with)."""
-    _current.append(group)
+    """Build a model's layers for `group` (each layer keeps the group it was built with); per thread."""
+    token = _current.set(group)
     try:
         yield group
     finally:
-        _current.pop()
+        _current.reset(token)
 
 
 def create_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float = DEFAULT_TIMEOUT_S):

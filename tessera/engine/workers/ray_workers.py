@@ -46,7 +46,8 @@ class RayWorkers(WorkerGroup):
         actor_cls = ray.remote(_RankActor)
         self.actors, self.runs, self.failures = [], {}, {}
         for rank in range(1, self.world_size):
-            actor = actor_cls.options(name=None, **resources).remote()
+            # two threads: `run` never returns while the engine lives, `pid` answers beside it
+            actor = actor_cls.options(max_concurrency=2, **resources).remote()
             args = (rank, self.world_size, host, port, self.backend, model_config, self.num_threads)
             self.runs[actor.run.remote(*args)] = rank
             self.actors.append(actor)

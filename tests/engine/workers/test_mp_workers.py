@@ -1,0 +1,154 @@
+"""Tensor parallelism over local worker processes (gloo, CPU, fp32): two ranks give every step's logits
+within 1e-4 of one rank and the same greedy tokens, on the tiny LLaVA (images, chunked prefill inside an
+image) and on tiny text backbones (Llama, Qwen3 with q/k norms and windows, Gemma 3 with its scaled
+embedding and soft-capping; preemption). A killed worker fails the engine loudly and at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from tessera import LLM, SamplingParams
+from tessera.errors import WorkerDiedError
+from tessera.testing import build_tiny_text_model, random_images
+from tessera.testing.distributed import assert_same_logits, generate_recording
+from tessera.testing.generation import kv_bytes_per_token
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+TEXT_PROMPTS = ["How many squares are there?", "The circle is red and the square is blue.", "A b c d e f g h"]
+TEXT_MODELS = {
+    "llama": (LlamaForCausalLM, LlamaConfig, {}),
+    "qwen3-window": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=16, use_sliding_window=True, sliding_window=6,
+                                                         max_window_layers=0)),
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                                                         layer_types=["sliding_attention", "full_attention"],
+                                                         final_logit_softcapping=30.0)),
+}  # fmt: skip
+
+
+def llava_prompts():
+    images = random_images([(40, 30), (32, 48)], seed=1)
+    return [
+        {"prompt": "USER: <image>\nWhat is this? ASSISTANT:", "multi_modal_data": {"image": images[0]}},
+        "USER: Hello there, how are you? ASSISTANT:",
+        {"prompt": "USER: <image>\nAnd this <image> one? ASSISTANT:", "multi_modal_data": {"image": images}},
+    ]
+
+
+def compare(folder, prompts, **options):
+    """Generate with one rank and with two; the same tokens and logits (within 1e-4) at every step."""
+    results = {}
+    for size in (1, 2):
+        llm = LLM(str(folder), dtype="float32", tensor_parallel_size=size, **options)
+        try:
+            results[size] = generate_recording(llm, prompts, GREEDY) + (llm.engine.scheduler.num_preemptions,)
+        finally:
+            llm.shutdown()
+    (tokens_1, logits_1, preempted_1), (tokens_2, logits_2, preempted_2) = results[1], results[2]
+    assert tokens_2 == tokens_1
+    assert_same_logits(logits_1, logits_2)
+    return preempted_1, preempted_2
+
+
+@pytest.mark.parametrize("case", ["default", "chunked-prefill"])
+def test_two_ranks_match_one_on_the_tiny_llava(tiny_llava_dir, case):
+    options = {"kv_cache_memory": "4MiB"}
+    if case == "chunked-prefill":  # 16-token images: a chunk boundary falls inside each
+        options["max_num_batched_tokens"] = 10
+    compare(tiny_llava_dir, llava_prompts(), **options)
+
+
+@pytest.mark.parametrize("name", TEXT_MODELS)
+def test_two_ranks_match_one_on_text_backbones(tmp_path, name):
+    hf_cls, config_cls, overrides = TEXT_MODELS[name]
+    folder = build_tiny_text_model(tmp_path, hf_cls, config_cls, **overrides)
+    compare(folder, TEXT_PROMPTS, kv_cache_memory="4MiB", block_size=4)
+
+
+def test_two_ranks_match_one_under_preemption(tmp_path):
+    folder = build_tiny_text_model(tmp_path, LlamaForCausalLM, LlamaConfig)
+    text_config = LlamaConfig.from_pretrained(folder)
+    # per rank: the blocks the prompts fill when they start together (each rank holds half the kv heads)
+    memory = lambda size: 3 * 4 * 4 * kv_bytes_per_token(text_config) // size  # noqa: E731
+    tokens, logits, preempted = {}, {}, {}
+    for size in (1, 2):
+        llm = LLM(str(folder), dtype="float32", tensor_parallel_size=size, kv_cache_memory=memory(size), block_size=4,
+                  enable_prefix_caching=False)  # fmt: skip
+        try:
+            tokens[size], logits[size] = generate_recording(llm, TEXT_PROMPTS, GREEDY)
+            preempted[size] = llm.engine.scheduler.num_preemptions
+        finally:
+            llm.shutdown()
+    assert preempted[1] > 0 and preempted[2] == preempted[1]
+    assert tokens[2] == tokens[1]
+    assert_same_logits(logits[1], logits[2])
+
+
+def test_a_model_that_cannot_split_is_refused_clearly(tiny_fuyu_dir):
+    with pytest.raises(ValueError, match="does not support tensor parallelism.*tensor_parallel_size=1"):
+        LLM(str(tiny_fuyu_dir), dtype="float32", tensor_parallel_size=2, kv_cache_memory="4MiB")
+
+
+def test_heads_that_do_not_divide_are_refused_clearly(tmp_path):
+    folder = build_tiny_text_model(tmp_path, LlamaForCausalLM, LlamaConfig, num_key_value_heads=1)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(1\) is not divisible by tensor_parallel_size \(2\)"):
+        LLM(str(folder), dtype="float32", tensor_parallel_size=2, kv_cache_memory="4MiB")
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_killed_worker_fails_requests_and_turns_the_server_unhealthy(tiny_llava_dir):
+    from tessera.engine.async_engine import AsyncEngine
+    from tessera.engine.llm_engine import LLMEngine
+    from tessera.entrypoints.openai.api_server import ServerThread, build_app
+
+    engine = AsyncEngine(LLMEngine.from_options(str(tiny_llava_dir), tensor_parallel_size=2, kv_cache_memory="4MiB"))
+    worker = engine.engine.workers.processes[0]
+    try:
+        with ServerThread(build_app(engine, model_name="tiny")) as url:
+            assert httpx.get(url + "/health").json() == {"status": "ok"}
+            body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))  # generating
+                killed_at = time.monotonic()
+                os.kill(worker.pid, signal.SIGKILL)
+                rest = "\n".join(lines)
+            assert "rank 1" in rest and "SIGKILL" in rest, rest[-500:]
+            assert wait_for(lambda: httpx.get(url + "/health").status_code == 503, 5)
+            assert time.monotonic() - killed_at < 5
+    finally:
+        engine.shutdown()
+
+
+def test_a_killed_worker_makes_the_offline_engine_raise(tiny_llava_dir):
+    llm = LLM(str(tiny_llava_dir), tensor_parallel_size=2, kv_cache_memory="4MiB")
+    try:
+        worker = llm.engine.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(timeout=5)
+        with pytest.raises(WorkerDiedError, match=rf"rank 1 \(pid {worker.pid}\) was killed by SIGKILL"):
+            llm.generate("hello", GREEDY, use_tqdm=False)
+        with pytest.raises(WorkerDiedError):
+            llm.engine.check_health()
+    finally:
+        llm.shutdown()
