@@ -23,7 +23,7 @@ from transformers import (
 from tessera import LLM, SamplingParams
 from tessera.errors import WorkerDiedError
 from tessera.testing import build_tiny_text_model, random_images
-from tessera.testing.distributed import assert_same_logits, generate_recording
+from tessera.testing.distributed import assert_same_logits, generate_recording, recorded_logits
 from tessera.testing.generation import kv_bytes_per_token
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -152,3 +152,38 @@ def test_a_killed_worker_makes_the_offline_engine_raise(tiny_llava_dir):
             llm.engine.check_health()
     finally:
         llm.shutdown()
+
+
+VLM_BUILDERS = {
+    "qwen2_5_vl": "tessera.testing.qwen_vl:build_tiny_qwen2_5_vl",  # M-RoPE positions
+    "qwen3_vl": "tessera.testing.qwen_vl:build_tiny_qwen3_vl",  # DeepStack features beside the embeddings
+    "gemma3": "tessera.testing.gemma3:build_tiny_gemma3",  # bidirectional image spans, scaled embedding
+    "smolvlm": "tessera.testing.idefics3:build_tiny_smolvlm",
+    "internvl": "tessera.testing.internvl:build_tiny_internvl",
+    "mistral3": "tessera.testing.mistral3:build_tiny_mistral3",
+    "llava_onevision": "tessera.testing.llava_next:build_tiny_llava_onevision",
+}
+
+
+@pytest.mark.parametrize("name", VLM_BUILDERS)
+def test_two_ranks_match_one_on_other_vlms(tmp_path, name):
+    import importlib
+
+    module, function = VLM_BUILDERS[name].split(":")
+    folder = getattr(importlib.import_module(module), function)(tmp_path)
+    image = random_images([(64, 48)], seed=3)[0]
+    chats = [
+        [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "What?"}]}],
+        [{"role": "user", "content": "Hello there"}],
+    ]
+    results = {}
+    for size in (1, 2):
+        llm = LLM(str(folder), dtype="float32", kv_cache_memory="8MiB", tensor_parallel_size=size)
+        try:
+            with recorded_logits() as steps:
+                outputs = llm.chat(chats, GREEDY, use_tqdm=False)
+            results[size] = [list(o.outputs[0].token_ids) for o in outputs], steps
+        finally:
+            llm.shutdown()
+    assert results[2][0] == results[1][0]
+    assert_same_logits(results[1][1], results[2][1])
