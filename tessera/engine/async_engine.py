@@ -11,6 +11,10 @@ a small worker pool first, so a heavy prompt never stalls the steps of the other
 A model failure fails only the requests of that step (`RequestFailedError` on their streams).
 If the engine thread itself dies, every stream gets `EngineDeadError`, `is_alive` turns False and
 the `on_dead` callbacks run (the server uses one to exit, so a supervisor restarts it).
+
+What the server reads besides requests (`tokenizer`, `preprocessor`, `chat_template`, `model_config`,
+`max_model_len`, `stats()`) is the same on `DataParallelEngine` (engine/data_parallel.py), so the
+server serves either.
 """
 
 from __future__ import annotations
@@ -81,6 +85,28 @@ class RequestStream:
             self.engine.submit(self.engine._abort, self.request_id)
 
 
+def engine_stats(engine: LLMEngine) -> dict[str, int]:
+    """A snapshot of an engine's scheduler and cache counters, plain numbers (summable over replicas):
+    sequences running / waiting, KV blocks used / total, prefix-cache queries / hits (tokens),
+    encoder-cache and processor-cache queries / hits (items), preemptions."""
+    blocks, scheduler, encoder = engine.block_manager, engine.scheduler, engine.encoder_cache
+    processor_cache = getattr(engine.processor, "cache", None)
+    processor = processor_cache.stats if processor_cache is not None else None
+    return {
+        "running": len(scheduler.running),
+        "waiting": len(scheduler.waiting),
+        "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
+        "kv_blocks_total": blocks.num_blocks,
+        "prefix_cache_queries": blocks.prefix_queries,
+        "prefix_cache_hits": blocks.prefix_hits,
+        "encoder_cache_queries": encoder.queries,
+        "encoder_cache_hits": encoder.hits,
+        "processor_cache_queries": processor.queries if processor is not None else 0,
+        "processor_cache_hits": processor.hits if processor is not None else 0,
+        "num_preemptions": getattr(scheduler, "num_preemptions", 0),
+    }
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, preprocess_workers: int = 2) -> None:
         self.engine = engine
@@ -91,8 +117,38 @@ class AsyncEngine:
         self.dead: Optional[BaseException] = None
         self.on_dead: list[Callable[[BaseException], None]] = []
         self._preprocess = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="tessera-preprocess")
+        self._worker_death: Optional[BaseException] = None
+        if engine.workers is not None:  # a tensor-parallel worker dying stops the engine, even while idle
+            engine.workers.on_death.append(self._worker_died)
         self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
         self._thread.start()
+
+    # ---- what the server reads -------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def preprocessor(self) -> Any:
+        """Renders chats and inline-image prompts (the engine's InputPreprocessor)."""
+        return self.engine.input_preprocessor
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        return self.engine.input_preprocessor.chat_template
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def stats(self) -> dict[str, int]:
+        """The engine's counters now (`engine_stats`), read live."""
+        return engine_stats(self.engine)
 
     # ---- called from coroutines ------------------------------------------------------------------
 
@@ -156,6 +212,7 @@ class AsyncEngine:
         self._wakeup.set()
         self._thread.join(timeout=10)
         self._preprocess.shutdown(wait=False, cancel_futures=True)
+        self.engine.shutdown()  # tensor-parallel workers, if any
 
     # ---- the engine thread -----------------------------------------------------------------------
 
@@ -167,9 +224,16 @@ class AsyncEngine:
         if self._streams.pop(request_id, None) is not None:
             self.engine.abort_request(request_id)
 
+    def _worker_died(self, error: BaseException) -> None:
+        """(On the worker monitor's thread.) Make the engine thread stop with `error` at once."""
+        self._worker_death = error
+        self._wakeup.set()
+
     def _run(self) -> None:
         try:
             while not self._stopped:
+                if self._worker_death is not None:
+                    raise self._worker_death
                 self._drain_calls()
                 if not self.engine.has_unfinished_requests():
                     self._wakeup.wait()
@@ -193,7 +257,7 @@ class AsyncEngine:
                 except Exception:
                     logger.exception("An on_dead callback failed")
             for stream in self._streams.values():
-                stream.put(EngineDeadError("The engine stopped after an internal error; the server must be restarted."))
+                stream.put(EngineDeadError(f"The engine stopped ({e}); the server must be restarted."))
             self._streams.clear()
 
     def _drain_calls(self) -> None:

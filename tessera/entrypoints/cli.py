@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from .. import DEMO_MODEL
-from ..config import AUTO_QUANTIZATION, QUANTIZATION_METHODS
+from ..config import AUTO_QUANTIZATION, DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_METHODS
 from ..gguf_file import find_gguf_file
 from ..multimodal.media import LOCAL_FILES, MediaPolicy, check_media_io_kwargs, load_image_url, load_video_url
 from ..sampling_params import SamplingParams
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     serve.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default 1GiB)")
     serve.add_argument("--max-request-bytes", type=int, default=32 * 2**20, help="larger bodies get 413")
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                       help="engine replicas, each a process of its own, routed by image (default 1)")  # fmt: skip
     _mm_processor_kwargs_option(serve)
     _pipeline_options(serve)
 
@@ -121,10 +123,12 @@ def _mm_processor_kwargs_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _mm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """LLM / engine options for --mm-processor-kwargs, --device, --dtype and --quantization (those given)."""
+    """LLM / engine options for --mm-processor-kwargs, --device, --dtype, --quantization and the parallel
+    options (those given)."""
     options = {
         "mm_processor_kwargs": args.mm_processor_kwargs, "device": args.device, "dtype": args.dtype,
-        "quantization": args.quantization,
+        "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_executor_backend": args.distributed_executor_backend,
     }  # fmt: skip
     return {key: value for key, value in options.items() if value is not None}
 
@@ -138,6 +142,17 @@ def _device_options(parser: argparse.ArgumentParser) -> None:
                         help="quantize the language model's weights at load: int8 (per-channel) or int4 "
                         "(groups of 32 inputs); auto: a GGUF file's weights stay about as small as the file "
                         "has them (4-bit types -> int4, 8-bit -> int8)")  # fmt: skip
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the language model over N ranks (this process + N-1 workers; default 1)",
+    )
+    parser.add_argument("--distributed-executor-backend", default=None, choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                        help="where the workers run: mp (local processes, default) or ray (Ray actors "
+                        "on the cluster of RAY_ADDRESS, else a local Ray; pip install 'tessera[ray]')")  # fmt: skip
 
 
 def _pipeline_options(parser: argparse.ArgumentParser) -> None:
@@ -241,6 +256,7 @@ def _serve(args: argparse.Namespace) -> int:
                      chat_template_content_format=args.chat_template_content_format,
                      max_request_bytes=args.max_request_bytes, kv_cache_memory=args.kv_cache_memory,
                      media_io_kwargs=args.media_io_kwargs, tool_call_parser=args.tool_call_parser,
+                     data_parallel_size=args.data_parallel_size,
                      **_pipeline_kwargs(args), **_mm_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)

@@ -255,3 +255,24 @@ def test_quantization_flag_reaches_the_engine_on_every_command(tiny_llava_dir, m
     assert "invalid choice: 'int3'" in capsys.readouterr().err
     assert run(["serve", str(tiny_llava_dir), "--quantization", "auto"])[0] == 0
     assert seen.get("quantization") == "auto"  # ModelConfig resolves it (tests/test_gguf_file.py)
+
+
+def test_parallel_flags_reach_the_engine(tiny_llava_dir, monkeypatch, capsys):
+    from tessera.entrypoints import cli
+    from tessera.entrypoints.openai import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server, "serve", lambda model, **options: seen.update(options) or 0)
+    flags = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]
+    assert run(["serve", str(tiny_llava_dir), *flags])[0] == 0
+    assert seen["tensor_parallel_size"] == 2 and seen["distributed_executor_backend"] == "ray"
+    assert {"tensor_parallel_size", "distributed_executor_backend"} <= set(api_server.ENGINE_OPTIONS)
+    loaded = {}
+    monkeypatch.setattr(cli, "_load", lambda model, out, options=None: loaded.update(options) or (_ for _ in ()).throw(
+        SystemExit(0)))  # fmt: skip
+    with pytest.raises(SystemExit):
+        run(["generate", "Hello", "--model", str(tiny_llava_dir), "-tp", "2"])
+    assert loaded["tensor_parallel_size"] == 2
+    with pytest.raises(SystemExit):
+        run(["generate", "Hello", "--model", str(tiny_llava_dir), "--distributed-executor-backend", "slurm"])
+    assert "invalid choice: 'slurm'" in capsys.readouterr().err

@@ -46,6 +46,7 @@ class WorkerGroup:
         store = create_store(host, 0, self.world_size, is_master=True)
         self._spawn(host, store.port, model_config)
         self._wait_joined(store)
+        self._threads_before = torch.get_num_threads()
         if self.num_threads:
             logger.info("Tensor parallelism on CPU: %d thread(s) per rank", self.num_threads)
             torch.set_num_threads(self.num_threads)
@@ -84,6 +85,8 @@ class WorkerGroup:
             return
         self._stopping = True
         self._stop()
+        if self.num_threads and hasattr(self, "_threads_before"):  # rank 0's share back to the whole process
+            torch.set_num_threads(self._threads_before)
 
     # ---- failures ------------------------------------------------------------------------------------
 

@@ -70,7 +70,7 @@ def build_app(
     }
     media_policy = dataclasses.replace(media_policy, **{k: v for k, v in legacy.items() if v is not None})
     app = FastAPI(title="Tessera", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics(engine.engine, model_name)
+    metrics = ServerMetrics(engine, model_name)
     media = AsyncMediaLoader(media_policy, max_concurrent_fetches=max_concurrent_fetches)
     if chat_template_content_format not in ("auto", "string", "openai"):
         raise ValueError(
@@ -79,11 +79,11 @@ def build_app(
     if tool_call_parser is not None:
         parser = get_tool_parser(tool_call_parser)
     else:
-        parser = default_tool_parser(engine.engine.input_preprocessor.chat_template)
+        parser = default_tool_parser(engine.chat_template)
     serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format,
                             media_io_kwargs, tool_parser=parser)  # fmt: skip
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
-    model_path = str(engine.engine.model_config.model)
+    model_path = str(engine.model_config.model)
 
     def error(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None):
         if status in (400, 413):
@@ -176,7 +176,7 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "tessera", "root": model_path,
-                "max_model_len": engine.engine.max_model_len}  # fmt: skip
+                "max_model_len": engine.max_model_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
@@ -223,7 +223,7 @@ async def until_disconnected(raw: Request, work: Awaitable[T]) -> Optional[T]:
 # serve() options that configure the engine; the rest configure the app.
 ENGINE_OPTIONS = ("kv_cache_memory", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                   "multimodal_pipeline", "pipelines_dir", "pipeline_params", "mm_processor_kwargs",
-                  "quantization")  # fmt: skip
+                  "quantization", "tensor_parallel_size", "distributed_executor_backend")  # fmt: skip
 
 
 def serve(
@@ -234,10 +234,13 @@ def serve(
     served_model_name: Optional[str] = None,
     log_level: str = "info",
     head_timeout: float = 10.0,
+    data_parallel_size: int = 1,
     **app_options: Any,
 ) -> int:
     """Load the model, start the engine thread and serve until interrupted. Returns the exit
-    status: 1 if the engine died (so a supervisor restarts the server), else 0."""
+    status: 1 if the engine died (so a supervisor restarts the server), else 0. With
+    `data_parallel_size` N > 1: N engine replicas, each in a process of its own with the same engine
+    options, requests routed by their first image (docs/parallelism.md)."""
     import uvicorn
 
     from ...engine.llm_engine import LLMEngine
@@ -245,7 +248,12 @@ def serve(
     engine_options = {k: app_options.pop(k) for k in list(app_options) if k in ENGINE_OPTIONS}
     if app_options.get("max_images_per_prompt") is not None:
         engine_options["limit_mm_per_prompt"] = {"image": app_options["max_images_per_prompt"]}
-    engine = AsyncEngine(LLMEngine.from_options(model, **engine_options))
+    if data_parallel_size != 1:
+        from ...engine.data_parallel import DataParallelEngine
+
+        engine: Any = DataParallelEngine(model, engine_options, data_parallel_size)
+    else:
+        engine = AsyncEngine(LLMEngine.from_options(model, **engine_options))
     app = build_app(engine, model_name=served_model_name or Path(model).name, **app_options)
     server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level, head_timeout=head_timeout))
 

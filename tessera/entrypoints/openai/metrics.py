@@ -4,20 +4,27 @@ Two families: Tessera's own (`tessera_*`), and vLLM v1's names and meanings (`vl
 `model_name` label, vLLM's histogram buckets) so that vLLM's Grafana dashboard reads Tessera unchanged.
 The request-level `vllm:` series (token counters, latency histograms, `request_success`) are counted when
 a request ends, from its RequestMetrics; the scheduler-level ones (running / waiting, KV-cache usage,
-prefix-cache queries and hits, preemptions) are read from the engine at each scrape.
+prefix-cache queries and hits, preemptions) are read from the engine's `stats()` at each scrape: live for the
+in-process engine; with data parallelism (`DataParallelEngine`) the sum over the replicas of the snapshots they
+push (at most a quarter of a second old, and fresh once a replica goes idle).
+
+Per replica (labelled `replica="0"`, `"1"`, ...; one replica, "0", without data parallelism):
+`tessera_replica_requests_running`, `tessera_replica_requests_waiting`, `tessera_replica_kv_blocks_used`
+(gauges), `tessera_replica_prefix_cache_queries_total` and `tessera_replica_prefix_cache_hits_total` (counters,
+in tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ...engine.llm_engine import LLMEngine
+from ...engine.async_engine import engine_stats
 from ...outputs import RequestMetrics, RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -43,8 +50,24 @@ def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
         exponent += 1
 
 
+Stats = Callable[[], dict[str, int]]
+
+
+def _stats_source(engine: Any) -> tuple[Stats, Callable[[], list[dict[str, int]]]]:
+    """(the engine's stats, its replicas' stats) for an AsyncEngine or DataParallelEngine (`stats()`, and
+    `replica_stats()` where it has replicas), or an LLMEngine (read live)."""
+    stats = engine.stats if hasattr(engine, "stats") else (lambda: engine_stats(engine))
+    replicas = getattr(engine, "replica_stats", None) or (lambda: [stats()])
+    return stats, replicas
+
+
+def _rate(hits: int, queries: int) -> float:
+    return hits / queries if queries else 0.0
+
+
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: Optional[str] = None) -> None:
+    def __init__(self, engine: Any, model_name: Optional[str] = None) -> None:
+        """`engine`: what the server serves (AsyncEngine, DataParallelEngine), read through its `stats()`."""
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
             "tessera_requests", "Requests by how they ended: stop, length, abort (client gone) or error (refused)",
@@ -63,29 +86,34 @@ class ServerMetrics:
         )
         self.generation_tokens = Counter("tessera_generation_tokens", "Generated tokens", registry=registry)
 
-        scheduler, blocks = engine.scheduler, engine.block_manager
+        stats, replica_stats = _stats_source(engine)
+
+        def read(name: str) -> Callable[[], float]:
+            return lambda: stats().get(name, 0)
+
         gauges = {
-            "tessera_requests_running": ("Sequences being generated", lambda: len(scheduler.running)),
-            "tessera_requests_waiting": ("Sequences waiting to be scheduled", lambda: len(scheduler.waiting)),
-            "tessera_kv_blocks_used": ("KV cache blocks in use", lambda: blocks.num_blocks - blocks.num_free_blocks),
-            "tessera_kv_blocks_total": ("KV cache blocks in the pool", lambda: blocks.num_blocks),
+            "tessera_requests_running": ("Sequences being generated", read("running")),
+            "tessera_requests_waiting": ("Sequences waiting to be scheduled", read("waiting")),
+            "tessera_kv_blocks_used": ("KV cache blocks in use", read("kv_blocks_used")),
+            "tessera_kv_blocks_total": ("KV cache blocks in the pool", read("kv_blocks_total")),
             "tessera_prefix_cache_hit_rate": (
                 "Prompt tokens found in the prefix cache",
-                lambda: blocks.prefix_hit_rate,
+                lambda: _rate(*_pick(stats(), "prefix_cache_hits", "prefix_cache_queries")),
             ),
             "tessera_encoder_cache_hit_rate": (
                 "Image items found in the encoder cache",
-                lambda: engine.encoder_cache.hits / max(engine.encoder_cache.queries, 1),
+                lambda: _rate(*_pick(stats(), "encoder_cache_hits", "encoder_cache_queries")),
             ),
             "tessera_processor_cache_hit_rate": (
                 "Image items found in the processor-output cache",
-                lambda: _processor_hit_rate(engine),
+                lambda: _rate(*_pick(stats(), "processor_cache_hits", "processor_cache_queries")),
             ),  # fmt: skip
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=registry).set_function(read)
+        registry.register(_ReplicaSeries(replica_stats))
         self.model_name = model_name or Path(str(engine.model_config.model)).name
-        self.vllm = _VllmMetrics(engine, self.model_name, registry)
+        self.vllm = _VllmMetrics(stats, engine.max_model_len, self.model_name, registry)
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Count a request that ran to its end (or was aborted) and its latencies."""
@@ -112,27 +140,26 @@ class ServerMetrics:
 class _VllmMetrics:
     """vLLM v1's Prometheus series (names, kinds, units, buckets), labelled model_name."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, registry: CollectorRegistry) -> None:
+    def __init__(self, stats: Stats, max_model_len: int, model_name: str, registry: CollectorRegistry) -> None:
         self.model_name = model_name
         labels = ["model_name"]
-        scheduler, blocks = engine.scheduler, engine.block_manager
 
         def gauge(name: str, doc: str, read) -> None:
             Gauge(name, doc, labels, registry=registry).labels(model_name).set_function(read)
 
         gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-              lambda: len(scheduler.running))  # fmt: skip
+              lambda: stats().get("running", 0))  # fmt: skip
         gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-              lambda: len(scheduler.waiting))  # fmt: skip
+              lambda: stats().get("waiting", 0))  # fmt: skip
 
         def kv_usage() -> float:
-            return (blocks.num_blocks - blocks.num_free_blocks) / blocks.num_blocks if blocks.num_blocks else 0.0
+            return _rate(*_pick(stats(), "kv_blocks_used", "kv_blocks_total"))
 
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage)
         gauge("vllm:gpu_cache_usage_perc",
               "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
               kv_usage)  # fmt: skip
-        registry.register(_EngineCounters(engine, model_name))
+        registry.register(_EngineCounters(stats, model_name))
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, [*labels, *extra], registry=registry)
@@ -144,7 +171,7 @@ class _VllmMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.request_success = counter("vllm:request_success", "Count of successfully processed requests.",
                                        ("finished_reason",))  # fmt: skip
-        token_buckets = build_1_2_5_buckets(engine.max_model_len)
+        token_buckets = build_1_2_5_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
         )
@@ -211,21 +238,21 @@ def _phases(m: RequestMetrics) -> dict[str, float]:
 class _EngineCounters(Collector):
     """Counters the engine keeps itself, read at each scrape: prefix-cache queries and hits (tokens), preemptions."""
 
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, stats: Stats, model_name: str) -> None:
+        self.stats, self.model_name = stats, model_name
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        blocks, scheduler = self.engine.block_manager, self.engine.scheduler
+        now = self.stats()
+        queries, hits = now.get("prefix_cache_queries", 0), now.get("prefix_cache_hits", 0)
         series = [
-            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-             blocks.prefix_queries),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", blocks.prefix_hits),
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", hits),
             ("vllm:gpu_prefix_cache_queries", "GPU prefix cache queries, in terms of number of queried tokens. "
-             "DEPRECATED: Use vllm:prefix_cache_queries instead.", blocks.prefix_queries),
+             "DEPRECATED: Use vllm:prefix_cache_queries instead.", queries),
             ("vllm:gpu_prefix_cache_hits", "GPU prefix cache hits, in terms of number of cached tokens. "
-             "DEPRECATED: Use vllm:prefix_cache_hits instead.", blocks.prefix_hits),
+             "DEPRECATED: Use vllm:prefix_cache_hits instead.", hits),
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-             getattr(scheduler, "num_preemptions", 0)),
+             now.get("num_preemptions", 0)),
         ]  # fmt: skip
         for name, doc, value in series:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
@@ -233,6 +260,31 @@ class _EngineCounters(Collector):
             yield family
 
 
-def _processor_hit_rate(engine: LLMEngine) -> float:
-    cache = getattr(engine.processor, "cache", None)
-    return cache.stats.hit_rate if cache is not None else 0.0
+class _ReplicaSeries(Collector):
+    """Per-replica series (label `replica`), read at each scrape."""
+
+    GAUGES = (
+        ("tessera_replica_requests_running", "Sequences being generated, per replica", "running"),
+        ("tessera_replica_requests_waiting", "Sequences waiting to be scheduled, per replica", "waiting"),
+        ("tessera_replica_kv_blocks_used", "KV cache blocks in use, per replica", "kv_blocks_used"),
+    )
+    COUNTERS = (
+        ("tessera_replica_prefix_cache_queries", "Prefix cache queries (tokens), per replica", "prefix_cache_queries"),
+        ("tessera_replica_prefix_cache_hits", "Prefix cache hits (tokens), per replica", "prefix_cache_hits"),
+    )
+
+    def __init__(self, replica_stats: Callable[[], list[dict[str, int]]]) -> None:
+        self.replica_stats = replica_stats
+
+    def collect(self) -> Iterator[Any]:
+        replicas = self.replica_stats()
+        for kind, table in ((GaugeMetricFamily, self.GAUGES), (CounterMetricFamily, self.COUNTERS)):
+            for name, doc, key in table:
+                family = kind(name, doc, labels=["replica"])
+                for index, snapshot in enumerate(replicas):
+                    family.add_metric([str(index)], snapshot.get(key, 0))
+                yield family
+
+
+def _pick(stats: dict[str, int], *names: str) -> tuple[int, ...]:
+    return tuple(stats.get(name, 0) for name in names)

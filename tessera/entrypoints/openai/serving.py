@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 class OpenAIServing:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine,  # or a DataParallelEngine: the same surface
         metrics: ServerMetrics,
         model_name: str,
         media: AsyncMediaLoader,
@@ -48,8 +48,8 @@ class OpenAIServing:
         self.media = media
         self.max_images = max_images_per_prompt
         self.content_format = content_format  # how message content reaches the chat template
-        self.tokenizer = engine.engine.tokenizer
-        self.preprocessor = engine.engine.input_preprocessor  # renders chats and inline <img> prompts
+        self.tokenizer = engine.tokenizer
+        self.preprocessor = engine.preprocessor  # renders chats and inline <img> prompts
 
     # ---- prompts ---------------------------------------------------------------------------------
 
@@ -147,7 +147,7 @@ class OpenAIServing:
             placeholders.setdefault(item.modality, []).append({"offset": item.start, "length": item.end - item.start})
         return {
             "count": len(inputs.token_ids),
-            "max_model_len": self.engine.engine.max_model_len,
+            "max_model_len": self.engine.max_model_len,
             "tokens": inputs.token_ids,
             "mm_placeholders": placeholders,
         }
