@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from pathlib import Path
+
+import torch
 
 from benchmarks.bench_model import VISION
 from tessera import LLM, SamplingParams
@@ -80,6 +83,8 @@ def bench_tensor_parallel(folder: Path, rounds: int) -> None:
     results = {size: {"ttft": [], "decode": [], "throughput": []} for size in engines}
     for round_ in range(rounds):
         for size, llm in engines.items():
+            # torch's thread count is per process: rank 0 of TP=2 takes its share (cores / 2), TP=1 all cores
+            torch.set_num_threads(llm.engine.workers.num_threads if llm.engine.workers else os.cpu_count() or 1)
             ttft, decode = latency(llm, seed=10 * round_ + size)
             results[size]["ttft"].append(ttft)
             results[size]["decode"].append(decode)
