@@ -12,19 +12,24 @@ from safetensors.torch import save_file
 TEXT_HIDDEN = 576  # SmolLM2-135M's hidden size: the projector's output
 
 
-def build_random_vision_dir(folder, *, seed: int = 0, image_size: int = 32, patch_size: int = 8) -> Path:
+TINY_VISION = dict(
+    image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+)
+
+
+def build_random_vision_dir(folder, *, seed: int = 0, **vision: int) -> Path:
+    """A seeded random CLIP tower and 2-layer GELU projector (to SmolLM2's width); `vision` overrides
+    TINY_VISION's sizes (the training script starts from its own)."""
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    vision_config = CLIPVisionConfig(
-        image_size=image_size, patch_size=patch_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, projection_dim=32,
-    )  # fmt: skip
+    vision_config = CLIPVisionConfig(**{**TINY_VISION, **vision})
+    width = vision_config.hidden_size
     torch.manual_seed(seed)
     tower = CLIPVisionModel(vision_config)
     tensors = {f"vision_tower.{name}": t.detach().contiguous() for name, t in tower.state_dict().items()}
-    for name, shape in (("linear_1", (TEXT_HIDDEN, 32)), ("linear_2", (TEXT_HIDDEN, TEXT_HIDDEN))):
+    for name, shape in (("linear_1", (TEXT_HIDDEN, width)), ("linear_2", (TEXT_HIDDEN, TEXT_HIDDEN))):
         tensors[f"multi_modal_projector.{name}.weight"] = torch.randn(shape) * shape[1] ** -0.5
         tensors[f"multi_modal_projector.{name}.bias"] = torch.randn(shape[0]) * 0.02
     tensors = {k: v for k, v in tensors.items() if not k.endswith("position_ids")}
