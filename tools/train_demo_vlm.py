@@ -41,6 +41,7 @@ VISION = dict(image_size=128, patch_size=16, hidden_size=256, intermediate_size=
               num_attention_heads=4)  # fmt: skip
 GRID = VISION["image_size"] // VISION["patch_size"]
 TEXT_CLASSES = ["none", *data.WORDS, *(str(n) for n in range(100))]
+OBJECT_WEIGHT = 8.0  # an object patch's weight in the per-patch loss, against a background patch's 1
 
 
 # ---- per-patch targets (vision pre-training and the auxiliary loss) -------------------------------------
@@ -74,9 +75,15 @@ class PatchHeads(torch.nn.Module):
         self.heads = torch.nn.ModuleList(torch.nn.Linear(width, n) for n in sizes)
 
     def loss(self, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """features [B, P, width], targets [B, 4, P] -> the mean cross-entropy over heads and patches."""
-        return sum(F.cross_entropy(head(features.float()).flatten(0, 1), targets[:, i].flatten())
-                   for i, head in enumerate(self.heads)) / len(self.heads)  # fmt: skip
+        """features [B, P, width], targets [B, 4, P] -> the mean cross-entropy over heads and patches, object
+        patches weighted up (most patches are background: unweighted, the loss is low while the objects, what
+        the answers are about, are still misread)."""
+        weight = 1.0 + (OBJECT_WEIGHT - 1.0) * (targets[:, 0] > 0).flatten().float()
+        total = 0.0
+        for i, head in enumerate(self.heads):
+            losses = F.cross_entropy(head(features.float()).flatten(0, 1), targets[:, i].flatten(), reduction="none")
+            total = total + (losses * weight).sum() / weight.sum()
+        return total / len(self.heads)
 
 
 # ---- conversations ----------------------------------------------------------------------------------------
@@ -219,7 +226,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2500)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4, help="question/answer turns per conversation")
-    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--aux-weight", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=500)
