@@ -168,10 +168,9 @@ def sample_conversation(rng: random.Random, turns: int):
 def pretrain_vision(model, heads, steps: int, batch: int, rng: random.Random, lr: float, log) -> None:
     params = list(model.model.vision_tower.parameters()) + list(heads.parameters())
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    processor_mean_std = None
     for step in range(steps):
         scenes = [data.make_scene(rng, "train") for _ in range(batch)]
-        pixels = torch.stack([to_pixels(data.render(s), processor_mean_std) for s in scenes]).to(model.dtype)
+        pixels = torch.stack([to_pixels(data.render(s)) for s in scenes]).to(model.dtype)
         targets = torch.stack([patch_targets(s) for s in scenes])
         features = model.model.vision_tower(pixels, output_hidden_states=True).hidden_states[-1][:, 1:]
         loss = heads.loss(features, targets)
@@ -185,7 +184,7 @@ def pretrain_vision(model, heads, steps: int, batch: int, rng: random.Random, lr
             log(f"vision step {step}/{steps}: patch loss {loss.item():.3f}")
 
 
-def to_pixels(image, _=None) -> torch.Tensor:
+def to_pixels(image) -> torch.Tensor:
     """The CLIP image processor's normalisation for a 128 px image (no resize: scenes are drawn at size)."""
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
