@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from tessera import DEMO_MODEL
+from tessera import TINY_DEMO_MODEL
 from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
@@ -65,7 +65,7 @@ def main() -> None:
     threading.Thread(target=trickle.serve_forever, daemon=True).start()
     slow_url = f"http://127.0.0.1:{trickle.server_address[1]}/slow.png"
 
-    engine = AsyncEngine(LLMEngine.from_options(str(DEMO_MODEL), kv_cache_memory="64MiB"))
+    engine = AsyncEngine(LLMEngine.from_options(str(TINY_DEMO_MODEL), kv_cache_memory="64MiB"))
     policy = MediaPolicy(fetch_urls=True, allow_private_networks=True)  # so the local trickle server is reached
     huge_text = "circle " * 4_300_000  # 30 MB, under the default 32 MiB body cap
     inputs = {

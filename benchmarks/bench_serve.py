@@ -27,18 +27,18 @@ import time
 import httpx
 import torch
 
-from tessera import DEMO_MODEL
+from tessera import TINY_DEMO_MODEL
 from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
-from tools import demo_data
+from tools import tiny_demo_data
 
 
 def make_requests(n: int, seed: int, max_tokens: int) -> list[dict]:
     rng = random.Random(seed)
     bodies = []
     for _ in range(n):
-        image, question, _, _ = demo_data.make_example(rng, size=256)
+        image, question, _, _ = tiny_demo_data.make_example(rng, size=256)
         buffer = io.BytesIO()
         image.save(buffer, format="PNG")
         url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
@@ -107,7 +107,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    engine = AsyncEngine(LLMEngine.from_options(str(DEMO_MODEL), kv_cache_memory="256MiB", max_num_seqs=64))
+    engine = AsyncEngine(LLMEngine.from_options(str(TINY_DEMO_MODEL), kv_cache_memory="256MiB", max_num_seqs=64))
     app = build_app(engine, model_name="demo")
     bodies = make_requests(args.requests, seed=99, max_tokens=args.max_tokens)
     ok = True

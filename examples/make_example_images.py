@@ -3,7 +3,7 @@
 python -m examples.make_example_images   # rewrites examples/*.png
 
 Each scene is given explicitly, so the right answers to every question follow from SCENES (the tests ask the
-bundled model about these images and derive the expected answers from here, through tools/demo_data.py).
+bundled model about these images and derive the expected answers from here, through tools/tiny_demo_data.py).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from tools import demo_data
+from tools import tiny_demo_data
 
 HERE = Path(__file__).resolve().parent
 
 SIZE = 256
-# Centres and half-sizes are fractions of the image size; each respects demo_data's margins (checked below).
+# Centres and half-sizes are fractions of the image size; each respects tiny_demo_data's margins (checked below).
 SCENES = {
     "three_shapes.png": [
         {"shape": "circle", "colour": "red", "cx": 0.2, "cy": 0.55, "half": 0.12},
@@ -35,9 +35,10 @@ def main() -> None:
     for name, shapes in SCENES.items():
         for s in shapes:
             dx, dy = abs(s["cx"] - 0.5), abs(s["cy"] - 0.5)
-            assert abs(dx - dy) >= demo_data.POSITION_MARGIN and max(dx, dy) >= demo_data.MIN_OFFSET, (name, s)
-        demo_data.render(random.Random(name), shapes, SIZE).save(HERE / name, optimize=True)
-        print(f"{name}: {demo_data.describe(shapes)}")
+            assert abs(dx - dy) >= tiny_demo_data.POSITION_MARGIN, (name, s)
+            assert max(dx, dy) >= tiny_demo_data.MIN_OFFSET, (name, s)
+        tiny_demo_data.render(random.Random(name), shapes, SIZE).save(HERE / name, optimize=True)
+        print(f"{name}: {tiny_demo_data.describe(shapes)}")
 
 
 if __name__ == "__main__":

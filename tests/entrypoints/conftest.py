@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera import DEMO_MODEL
+from tessera import TINY_DEMO_MODEL
 from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.multimodal.media import MediaPolicy
@@ -19,7 +19,7 @@ def media_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_engine():
     engine = AsyncEngine(
-        LLMEngine.from_options(str(DEMO_MODEL), kv_cache_memory="64MiB", limit_mm_per_prompt={"image": MAX_IMAGES})
+        LLMEngine.from_options(str(TINY_DEMO_MODEL), kv_cache_memory="64MiB", limit_mm_per_prompt={"image": MAX_IMAGES})
     )
     yield engine
     engine.shutdown()

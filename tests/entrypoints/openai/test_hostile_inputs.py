@@ -28,12 +28,12 @@ from tessera.testing.server import (
     serve_demo,
     wait_until_idle,
 )
-from tools import demo_data
+from tools import tiny_demo_data
 
 REPO = Path(__file__).resolve().parents[3]
 
 IMAGE = REPO / "examples" / "three_shapes.png"
-CAPTION = demo_data.describe(make_example_images.SCENES["three_shapes.png"])
+CAPTION = tiny_demo_data.describe(make_example_images.SCENES["three_shapes.png"])
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 

@@ -14,7 +14,7 @@ import pytest
 from examples import make_example_images
 from tessera.testing import video_bytes
 from tessera.testing.server import API_KEY
-from tools import demo_data
+from tools import tiny_demo_data
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -22,7 +22,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (make test installs it with apt)")
 
 IMAGE = REPO / "examples" / "three_shapes.png"
-CAPTION = demo_data.describe(make_example_images.SCENES["three_shapes.png"])
+CAPTION = tiny_demo_data.describe(make_example_images.SCENES["three_shapes.png"])
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_upload_ask_and_see_the_streamed_answer(server, page, tmp_path):
     page.fill("#message", "How many shapes are there?")
     page.keyboard.press("Enter")
     page.wait_for_function("document.querySelectorAll('.message.assistant:not(.streaming)').length === 2")
-    expected = demo_data.NUMBER_WORDS[len(make_example_images.SCENES["three_shapes.png"])]
+    expected = tiny_demo_data.NUMBER_WORDS[len(make_example_images.SCENES["three_shapes.png"])]
     assert page.locator(".message.assistant").last.inner_text().strip() == expected
     page.screenshot(path=str(tmp_path / "chat.png"), full_page=True)
     assert (tmp_path / "chat.png").stat().st_size > 0

@@ -16,7 +16,7 @@ away from the centre, so the answer is never ambiguous. The caption lists the sh
 centres are at least ``ORDER_MARGIN`` apart horizontally so that order is unambiguous too.
 
 ``make_example(rng)`` returns ``(image, question, answer, kind)``; ``make_dataset(n, seed)`` returns a list
-of n such tuples (the same list for the same seed). ``python -m tools.demo_data --out DIR`` writes a few
+of n such tuples (the same list for the same seed). ``python -m tools.tiny_demo_data --out DIR`` writes a few
 examples as PNG files with a ``questions.txt``, to look at.
 """
 

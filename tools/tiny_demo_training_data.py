@@ -1,6 +1,6 @@
 """The training data of the demo model, as token sequences: scenes with all their questions, per-patch
 labels for the auxiliary vision loss, the tokenizer and chat template, and the packing of all questions about
-one image into one sequence (see tools/train_demo_model.py)."""
+one image into one sequence (see tools/train_tiny_demo_model.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from PIL import Image, ImageDraw
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from tools import demo_data
+from tools import tiny_demo_data
 
 # LLaVA-1.5 conversation format. A user turn renders as "USER: <image>\n{text} ", an assistant turn as
 # "ASSISTANT: {text}</s>", and add_generation_prompt appends "ASSISTANT:". So one image question renders as
@@ -46,7 +46,7 @@ def make_scenes(n: int, seed: int, image_size: int, patch_size: int, num_shapes:
     labels = np.empty((n, grid * grid, len(AUX_CLASSES)), dtype=np.int64)
     qas = []
     for i in range(n):
-        shapes = demo_data.make_scene(rng, num_shapes)
+        shapes = tiny_demo_data.make_scene(rng, num_shapes)
         image, scene_qas = make_scene_all_questions(rng, image_size, shapes)
         images[i] = np.asarray(image).transpose(2, 0, 1)
         labels[i] = patch_labels(shapes, image_size, patch_size)
@@ -56,7 +56,9 @@ def make_scenes(n: int, seed: int, image_size: int, patch_size: int, num_shapes:
 
 # Per-patch targets of the auxiliary loss: for the object covering the patch, its shape, its colour, its
 # position answer and its rank from the left (the caption's order); class 0 is background.
-AUX_CLASSES = (1 + len(demo_data.SHAPES), 1 + len(demo_data.COLOURS), 1 + len(demo_data.POSITIONS), 1 + 3)
+AUX_CLASSES = (
+    1 + len(tiny_demo_data.SHAPES), 1 + len(tiny_demo_data.COLOURS), 1 + len(tiny_demo_data.POSITIONS), 1 + 3
+)  # fmt: skip
 
 
 def patch_labels(shapes: list[dict], image_size: int, patch_size: int, min_cover: float = 0.2) -> np.ndarray:
@@ -66,7 +68,7 @@ def patch_labels(shapes: list[dict], image_size: int, patch_size: int, min_cover
     canvas = Image.new("L", (image_size * scale, image_size * scale), 0)
     draw = ImageDraw.Draw(canvas)
     for k, shape in enumerate(shapes, start=1):
-        demo_data.draw_shape(draw, shape, image_size * scale, k)
+        tiny_demo_data.draw_shape(draw, shape, image_size * scale, k)
     grid, cell = image_size // patch_size, patch_size * scale
     owner = np.asarray(canvas)[: grid * cell, : grid * cell].reshape(grid, cell, grid, cell).transpose(0, 2, 1, 3)
     owner = owner.reshape(grid * grid, cell * cell)
@@ -77,9 +79,9 @@ def patch_labels(shapes: list[dict], image_size: int, patch_size: int, min_cover
     for p in np.nonzero(cover.max(-1) >= min_cover)[0]:
         s = shapes[best[p]]
         out[p] = (
-            1 + demo_data.SHAPES.index(s["shape"]),
-            1 + list(demo_data.COLOURS).index(s["colour"]),
-            1 + demo_data.POSITIONS.index(demo_data.position_of(s["cx"], s["cy"])),
+            1 + tiny_demo_data.SHAPES.index(s["shape"]),
+            1 + list(tiny_demo_data.COLOURS).index(s["colour"]),
+            1 + tiny_demo_data.POSITIONS.index(tiny_demo_data.position_of(s["cx"], s["cy"])),
             1 + rank[id(s)],
         )
     return out
@@ -88,16 +90,16 @@ def patch_labels(shapes: list[dict], image_size: int, patch_size: int, min_cover
 def make_scene_all_questions(rng: random.Random, size: int, shapes: list[dict]):
     """The scene's image and every question it allows: colour/position of each unique shape type, shape of
     each unique colour, the count and the caption."""
-    out = [(demo_data.QUESTIONS["count"], demo_data.NUMBER_WORDS[len(shapes)], "count")]
+    out = [(tiny_demo_data.QUESTIONS["count"], tiny_demo_data.NUMBER_WORDS[len(shapes)], "count")]
     for s in shapes:
         if sum(o["shape"] == s["shape"] for o in shapes) == 1:
-            out.append((demo_data.QUESTIONS["colour"].format(shape=s["shape"]), s["colour"], "colour"))
-            q = demo_data.QUESTIONS["position"].format(shape=s["shape"])
-            out.append((q, demo_data.position_of(s["cx"], s["cy"]), "position"))
+            out.append((tiny_demo_data.QUESTIONS["colour"].format(shape=s["shape"]), s["colour"], "colour"))
+            q = tiny_demo_data.QUESTIONS["position"].format(shape=s["shape"])
+            out.append((q, tiny_demo_data.position_of(s["cx"], s["cy"]), "position"))
         if sum(o["colour"] == s["colour"] for o in shapes) == 1:
-            out.append((demo_data.QUESTIONS["shape"].format(colour=s["colour"]), s["shape"], "shape"))
-    out.append((demo_data.QUESTIONS["describe"], demo_data.describe(shapes), "describe"))
-    return demo_data.render(rng, shapes, size), out
+            out.append((tiny_demo_data.QUESTIONS["shape"].format(colour=s["colour"]), s["shape"], "shape"))
+    out.append((tiny_demo_data.QUESTIONS["describe"], tiny_demo_data.describe(shapes), "describe"))
+    return tiny_demo_data.render(rng, shapes, size), out
 
 
 # ------------------------------------------------------------------------------------------ tokenizer

@@ -2,8 +2,8 @@
 
 Everything is built from scratch, offline and deterministically (fixed seed), on the CPU:
 
-1. a synthetic training set of scenes (``tools/demo_data.py``), each with every question it allows, packed
-   into token sequences by ``tools/demo_training_data.py``;
+1. a synthetic training set of scenes (``tools/tiny_demo_data.py``), each with every question it allows, packed
+   into token sequences by ``tools/tiny_demo_training_data.py``;
 2. a byte-level BPE tokenizer trained on the set's texts, with ``<unk> <s> </s>`` (ids 0-2) and
    ``<image> <pad>`` special tokens and a LLaVA-1.5 chat template
    (``USER: <image>\\n{question} ASSISTANT: {answer}</s>``);
@@ -31,7 +31,7 @@ itself only, and its position ids continue from the prefix as if it were alone, 
 computed exactly as the single-turn prompt it stands for, while the vision tower and the image tokens run
 once per image instead of once per question. (``--check`` verifies this against HF's own forward.)
 
-Usage: python -m tools.train_demo_model [--out tessera/demo_model] [--steps N] ...
+Usage: python -m tools.train_tiny_demo_model [--out tessera/tiny_demo_model] [--steps N] ...
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from transformers import (
 )
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
-from tools.demo_training_data import (
+from tools.tiny_demo_training_data import (
     AUX_CLASSES,
     CHAT_TEMPLATE,
     Encoder,
@@ -227,7 +227,7 @@ def init_weights(model: LlavaForConditionalGeneration, args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="Train the bundled tiny LLaVA demo model (CPU, from scratch).")
-    p.add_argument("--out", type=Path, default=REPO / "tessera" / "demo_model")
+    p.add_argument("--out", type=Path, default=REPO / "tessera" / "tiny_demo_model")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-scenes", type=int, default=40000)
     p.add_argument("--val-scenes", type=int, default=400)
