@@ -90,8 +90,9 @@ class PatchHeads(torch.nn.Module):
 
 
 def conversation(processor, image, qas: list[tuple[str, str, str]]) -> dict[str, torch.Tensor]:
-    """One image and several question/answer turns -> input ids (image tokens expanded), pixel values and
-    labels (-100 everywhere but the answers and the <|im_end|> closing each)."""
+    """One image and several question/answer turns -> input ids (image tokens expanded), pixel values, labels
+    (-100 everywhere but the answers and the <|im_end|> closing each) and per-token loss weights (an answer's
+    tokens share a weight of sqrt(length): a long caption counts more than a one-word answer, but not 15x)."""
     messages = []
     for i, (_, question, answer) in enumerate(qas):
         content = [{"type": "image"}, {"type": "text", "text": question}] if i == 0 else question
@@ -100,6 +101,7 @@ def conversation(processor, image, qas: list[tuple[str, str, str]]) -> dict[str,
     encoded = processor(images=[image], text=text, return_tensors="pt")
     ids = encoded["input_ids"][0]
     labels = torch.full_like(ids, -100)
+    weights = torch.zeros(len(ids))
     tokenizer = processor.tokenizer
     opener = tokenizer.encode("<|im_start|>assistant\n")
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -109,9 +111,10 @@ def conversation(processor, image, qas: list[tuple[str, str, str]]) -> dict[str,
             start = i + len(opener)
             stop = start + ids[start:].tolist().index(end)
             labels[start : stop + 1] = ids[start : stop + 1]
+            weights[start : stop + 1] = (stop + 1 - start) ** -0.5
             i = stop
         i += 1
-    return {"input_ids": ids, "pixel_values": encoded["pixel_values"][0], "labels": labels}
+    return {"input_ids": ids, "pixel_values": encoded["pixel_values"][0], "labels": labels, "weights": weights}
 
 
 def collate(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -119,10 +122,12 @@ def collate(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     ids = torch.full((len(items), width), pad_id)
     labels = torch.full((len(items), width), -100)
     mask = torch.zeros((len(items), width), dtype=torch.long)
+    weights = torch.zeros((len(items), width))
     for row, item in enumerate(items):
         n = len(item["input_ids"])
         ids[row, :n], labels[row, :n], mask[row, :n] = item["input_ids"], item["labels"], 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask,
+        weights[row, :n] = item["weights"]
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask, "weights": weights,
             "pixel_values": torch.stack([item["pixel_values"] for item in items])}  # fmt: skip
 
 
@@ -130,7 +135,8 @@ def collate(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def lm_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean cross-entropy of the answer tokens, the tower's patch features [B, P, width])."""
+    """(cross-entropy of the answer tokens, weighted as ``conversation`` says, the tower's patch features
+    [B, P, width])."""
     pixel_values = batch["pixel_values"].to(model.dtype)
     vision = model.model.vision_tower(pixel_values, output_hidden_states=True)
     features = vision.hidden_states[-1][:, 1:]  # the LLaVA "default" strategy: patches, CLS dropped
@@ -143,7 +149,9 @@ def lm_loss(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.
     targets = batch["labels"][:, 1:]
     keep = targets != -100
     logits = model.lm_head(hidden[:, :-1][keep])
-    return F.cross_entropy(logits.float(), targets[keep]), features
+    weights = batch["weights"][:, 1:][keep]
+    losses = F.cross_entropy(logits.float(), targets[keep], reduction="none")
+    return (losses * weights).sum() / weights.sum(), features
 
 
 def schedule(step: int, total: int, peak: float, warmup: int = 100) -> float:
@@ -224,7 +232,7 @@ def main() -> None:
     parser.add_argument("--vision-steps", type=int, default=1500)
     parser.add_argument("--steps", type=int, default=2500)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=4, help="question/answer turns per conversation")
+    parser.add_argument("--turns", type=int, default=6, help="question/answer turns per conversation")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--aux-weight", type=float, default=0.3)
     parser.add_argument("--seed", type=int, default=0)
