@@ -38,11 +38,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 
 def example_caption(name: str) -> str:
-    """The demo VLM's caption of an example image, from its scene definition: its shapes' half-sizes (0.12 to
-    0.14 of the image) are in the generator's "large" range, checked here rather than assumed."""
-    low, high = demo_vlm_data.SIZES["large"]
+    """The demo model's caption of an example image, from its scene definition. Every example shape is
+    "large": its half-size exceeds the bounding radius of the largest "small" shape the generator draws."""
     shapes = make_example_images.SCENES[name]
-    assert all(low <= s["half"] <= high for s in shapes)
+    assert all(s["half"] > demo_vlm_data.SIZES["small"][1] for s in shapes)
     return demo_vlm_data.describe([{**s, "size": "large"} for s in shapes])
 
 

@@ -55,3 +55,8 @@ def test_conversations_are_labelled_on_their_answers_only():
     labelled = tokenizer.decode(ids[labels != -100])
     assert labelled == "pink<|im_end|>three<|im_end|>"
     assert torch.equal(labels[labels != -100], ids[labels != -100])
+    # each answer (with its <|im_end|>) weighs sqrt(its length) in all: its tokens 1/sqrt(length) each
+    lengths = [len(tokenizer.encode(answer + "<|im_end|>")) for answer in ("pink", "three")]
+    expected = torch.cat([torch.full((n,), n**-0.5) for n in lengths])
+    assert torch.allclose(item["weights"][labels != -100], expected)
+    assert torch.all(item["weights"][labels == -100] == 0)
