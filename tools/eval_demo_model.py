@@ -1,5 +1,5 @@
-"""Evaluate the default demo model (tessera.DEMO_MODEL: the vision side trained by tools/train_demo_vlm.py in
-front of SmolLM2-135M-Instruct) on held-out questions, through Tessera.
+"""Evaluate the demo VLM (the vision side trained by tools/train_demo_vlm.py in front of SmolLM2-135M-Instruct,
+assembled by tessera.models.demo_vlm) on held-out questions, through Tessera.
 
 The questions come from ``tools/demo_vlm_data.make_eval_set``: scenes of held-out layouts, phrasings the
 training never saw, every kind balanced (yes / no / which for relations, every count and side), single-object
@@ -66,7 +66,7 @@ def hf_agreement(model_dir: str, items, outputs, sample: int, seed: int, max_tok
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model", nargs="?", default=None, help="model folder (default: tessera.DEMO_MODEL)")
+    p.add_argument("model", nargs="?", default=None, help="model folder (default: the shipped demo VLM)")
     p.add_argument("-n", type=int, default=100, help="questions per kind")
     p.add_argument("--seed", type=int, default=4242, help="eval set seed (training draws from its own stream)")
     p.add_argument("--max-tokens", type=int, default=40)
@@ -76,10 +76,10 @@ def main() -> int:
     p.add_argument("--markdown", action="store_true", help="print the accuracy table in Markdown")
     args = p.parse_args()
 
-    import tessera
     from tessera import LLM, SamplingParams
+    from tessera.models.demo_vlm import demo_model_folder
 
-    model_dir = args.model or str(tessera.DEMO_MODEL)
+    model_dir = args.model or str(demo_model_folder())
     start = time.time()
     items = data.make_eval_set(args.n, seed=args.seed)
     llm = LLM(model_dir, dtype=args.dtype, kv_cache_memory="512MiB")
