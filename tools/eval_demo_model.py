@@ -5,11 +5,13 @@ The questions come from ``tools/demo_vlm_data.make_eval_set``: scenes of held-ou
 training never saw, every kind balanced (yes / no / which for relations, every count and side), single-object
 scenes included. Each is asked as a one-turn chat with the image (greedy), and the answer must match exactly
 (after stripping, lower-casing and dropping a final full stop). A sample is also answered by Hugging Face
-transformers' greedy ``generate`` on the same folder and compared token for token.
+transformers' greedy ``generate`` on the same folder and compared token for token. Text-only, the ten
+``tools/demo_vlm_chat_data.HELD_OUT_QUESTIONS`` (never in training) are answered by the demo model and by
+SmolLM2-135M-Instruct alone (its GGUF), and the answers compared: the LoRA must leave them as they were.
 
 Exit status 0 when every kind the issue names (colour, shape, count, position, relation, reading) reaches
-``GOAL_PER_KIND`` and HF agrees on every sampled answer, 1 otherwise. ``--markdown`` prints the table as the
-README shows it.
+``GOAL_PER_KIND``, HF agrees on every sampled answer and every text answer is SmolLM2's, 1 otherwise.
+``--markdown`` prints the table as the README shows it.
 
 Usage: python -m tools.eval_demo_model [MODEL_FOLDER] [-n 100] [--seed 4242] [--hf-sample 20] [--markdown]
 """
@@ -24,6 +26,7 @@ from collections import defaultdict
 
 import torch
 
+from tools import demo_vlm_chat_data as chat_data
 from tools import demo_vlm_data as data
 
 GOAL_PER_KIND = 0.95
@@ -64,12 +67,29 @@ def hf_agreement(model_dir: str, items, outputs, sample: int, seed: int, max_tok
     return agree
 
 
+def text_answers_kept(llm, max_tokens: int) -> int:
+    """How many of the held-out text-only questions get SmolLM2's own greedy answer (printing the others)."""
+    from tessera import LLM, SamplingParams
+    from tessera.models.demo_vlm import find_smollm2_gguf
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    chats = [[{"role": "user", "content": q}] for q in chat_data.HELD_OUT_QUESTIONS]
+    ours = [o.outputs[0].text for o in llm.chat(chats, params, use_tqdm=False)]
+    smollm2 = LLM(str(find_smollm2_gguf()), dtype="float32", kv_cache_memory="64MiB")
+    theirs = [o.outputs[0].text for o in smollm2.chat(chats, params, use_tqdm=False)]
+    for question, a, b in zip(chat_data.HELD_OUT_QUESTIONS, ours, theirs):
+        if a != b:
+            print(f"  text answer changed for {question!r}:\n    SmolLM2: {b!r}\n    demo:    {a!r}")
+    return sum(a == b for a, b in zip(ours, theirs))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the shipped demo VLM)")
     p.add_argument("-n", type=int, default=100, help="questions per kind")
     p.add_argument("--seed", type=int, default=4242, help="eval set seed (training draws from its own stream)")
     p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--text-tokens", type=int, default=32, help="tokens of each text-only answer compared")
     p.add_argument("--hf-sample", type=int, default=20, help="questions also answered by HF transformers")
     p.add_argument("--show-errors", type=int, default=15)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -113,6 +133,11 @@ def main() -> int:
         print(f"HF transformers greedy generate agrees with Tessera on {agree}/{sample} sampled questions")
         if agree != sample:
             failed.append(f"HF agrees on {agree}/{sample} only")
+    kept = text_answers_kept(llm, args.text_tokens)
+    n_text = len(chat_data.HELD_OUT_QUESTIONS)
+    print(f"text-only: {kept}/{n_text} held-out questions get SmolLM2's own answer ({args.text_tokens} tokens)")
+    if kept != n_text:
+        failed.append(f"{n_text - kept} text answers changed")
     print(f"total time {time.time() - start:.0f} s")
     print("GOALS MET" if not failed else f"GOALS NOT MET (< {GOAL_PER_KIND:.0%}): " + "; ".join(failed))
     return 0 if not failed else 1

