@@ -321,6 +321,23 @@ def sample_conversation(rng: random.Random, turns: int, chats: list[tuple[str, s
     return scene, data.render(scene), qas
 
 
+@torch.no_grad()
+def calibrate_projector(model, pixels: torch.Tensor) -> tuple[float, float]:
+    """Rescale the fresh projector so that its hidden pre-activations have unit spread and its outputs the
+    norm of SmolLM2's token embeddings (a data-dependent init). Left random, the image tokens came out ~36x
+    longer than any word's embedding: a pre-norm LM then barely updates them layer to layer, and the LM
+    learned to read them slowly. Returns (output norm before, after)."""
+    projector = model.model.multi_modal_projector
+    features = model.model.vision_tower(pixels, output_hidden_states=True).hidden_states[-1][:, 1:]
+    projector.linear_1.weight.mul_(1.0 / projector.linear_1(features).std())
+    projector.linear_1.bias.zero_()
+    before = projector(features).norm(dim=-1).mean()
+    target = model.model.get_input_embeddings().weight.float().norm(dim=-1).mean()
+    projector.linear_2.weight.mul_(target / before)
+    projector.linear_2.bias.mul_(target / before)
+    return before.item(), projector(features).norm(dim=-1).mean().item()
+
+
 def pretrain_vision(model, heads, steps: int, batch: int, rng: random.Random, lr: float, log) -> None:
     params = list(model.model.vision_tower.parameters()) + list(heads.parameters())
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
@@ -388,7 +405,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("tessera/demo_vlm"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/tessera-demo-vlm-train"))
     parser.add_argument("--vision-steps", type=int, default=800)
-    parser.add_argument("--steps", type=int, default=700)
+    parser.add_argument("--steps", type=int, default=360)
     parser.add_argument("--batch", type=int, default=8, help="image conversations per step")
     parser.add_argument("--text-batch", type=int, default=4, help="text-only chats per step (distillation)")
     parser.add_argument("--turns", type=int, default=6, help="question/answer turns per conversation")
@@ -399,7 +416,7 @@ def main() -> None:
     parser.add_argument("--aux-weight", type=float, default=0.3)
     parser.add_argument("--distill-weight", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=235)
+    parser.add_argument("--eval-every", type=int, default=180)
     args = parser.parse_args()
 
     from transformers import AutoProcessor, LlavaForConditionalGeneration
@@ -433,6 +450,9 @@ def main() -> None:
     log(f"pre-training the vision tower for {args.vision_steps} steps")
     pretrain_vision(model, heads, args.vision_steps, 32, rng, 1e-3, log)
 
+    pixels = torch.stack([to_pixels(data.render(data.make_scene(rng, "train"))) for _ in range(32)])
+    before, after = calibrate_projector(model, pixels)
+    log(f"projector calibrated: image token norm {before:.1f} -> {after:.2f}")
     wrapped = add_lora(model.model.language_model, args.lora_rank, alpha=2.0 * args.lora_rank)
     lora = [p for layer in wrapped.values() for p in (layer.lora_A, layer.lora_B)]
     tower = list(model.model.vision_tower.parameters())
