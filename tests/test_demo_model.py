@@ -26,15 +26,10 @@ from tessera import LLM, SamplingParams  # noqa: E402
 from tessera.entrypoints.cli import main as cli_main  # noqa: E402
 from tessera.models.demo_vlm import SHIPPED_VISION_DIR, demo_model_folder, find_smollm2_gguf  # noqa: E402
 from tools import demo_vlm_data  # noqa: E402
+from tools.demo_vlm_chat_data import HELD_OUT_QUESTIONS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 THREE_SHAPES = REPO / "examples" / "three_shapes.png"
-GENERAL_QUESTIONS = [
-    "What is the capital of France?", "How many days are there in a week?", "What is 2 + 3?",
-    "Name three colours.", "Who wrote Romeo and Juliet?", "What is the largest planet in the solar system?",
-    "Translate 'thank you' into French.", "Give me a synonym for happy.", "What do bees make?",
-    "Write a haiku about the sea.",
-]  # fmt: skip
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 
@@ -56,10 +51,10 @@ def demo_llm(folder):
     return LLM(str(folder), dtype="float32", kv_cache_memory="128MiB")
 
 
-def test_only_the_vision_side_is_shipped():
+def test_only_what_the_project_trained_is_shipped():
     names = sorted(p.name for p in SHIPPED_VISION_DIR.iterdir())
-    assert names == ["training.json", "vision.safetensors", "vision_config.json"]
-    assert sum(p.stat().st_size for p in SHIPPED_VISION_DIR.iterdir()) <= 16 * 2**20
+    assert names == ["lora.safetensors", "training.json", "vision.safetensors", "vision_config.json"]
+    assert sum(p.stat().st_size for p in SHIPPED_VISION_DIR.iterdir()) <= 24 * 2**20  # SmolLM2 is not in it
 
 
 def test_generate_describes_the_example_image(folder):
@@ -70,7 +65,7 @@ def test_generate_describes_the_example_image(folder):
 
 
 def test_text_only_answers_are_smollm2s_own(demo_llm):
-    chats = [[{"role": "user", "content": q}] for q in GENERAL_QUESTIONS]
+    chats = [[{"role": "user", "content": q}] for q in HELD_OUT_QUESTIONS]  # never in training
     ours = [o.outputs[0].text for o in demo_llm.chat(chats, GREEDY, use_tqdm=False)]
     smollm2 = LLM(str(find_smollm2_gguf()), dtype="float32", kv_cache_memory="64MiB")
     theirs = [o.outputs[0].text for o in smollm2.chat(chats, GREEDY, use_tqdm=False)]

@@ -157,3 +157,27 @@ def test_conversations_are_labelled_on_their_answers_only():
     expected = torch.cat([torch.full((n,), n**-0.5) for n in lengths])
     assert torch.allclose(item["weights"][labels != -100], expected)
     assert torch.all(item["weights"][labels == -100] == 0)
+
+
+def test_the_projector_is_calibrated_to_the_norm_of_word_embeddings():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from tessera.testing.demo_vlm import TINY_VISION
+
+    text = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(
+        LlavaConfig(vision_config=CLIPVisionConfig(**TINY_VISION), text_config=text)
+    ).eval()
+    with torch.no_grad():
+        model.model.get_input_embeddings().weight.mul_(0.05)  # words much shorter than the image tokens
+        model.model.multi_modal_projector.linear_1.weight.mul_(30.0)
+    pixels = torch.randn(4, 3, TINY_VISION["image_size"], TINY_VISION["image_size"])
+    before, after = train.calibrate_projector(model, pixels)
+    words = model.model.get_input_embeddings().weight.norm(dim=-1).mean().item()
+    assert before > 10 * words and after == pytest.approx(words, rel=1e-4)
+    with torch.no_grad():
+        features = model.model.vision_tower(pixels, output_hidden_states=True).hidden_states[-1][:, 1:]
+        hidden = model.model.multi_modal_projector.linear_1(features)
+    assert hidden.std().item() == pytest.approx(1.0, rel=1e-4)
