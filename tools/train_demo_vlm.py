@@ -3,9 +3,9 @@
 
 Everything is seeded and runs offline on the CPU (bfloat16 where the CPU has it; a GPU if one is at hand):
 
-1. Vision pre-training (``--vision-steps``): the ViT alone, with throwaway per-patch heads (``TARGETS``) that
-   classify the object under each patch (shape, colour, size, word or number, position, centre, counts) —
-   cheap, and it gives the tower the features the answers need before the expensive stage.
+1. Vision pre-training (``--vision-steps``): the ViT alone, with throwaway per-patch heads that classify the
+   object under each patch (``tools/demo_vlm_targets.py``: shape, colour, size, word or number, position,
+   centre, counts) — cheap, and it gives the tower the features the answers need before the expensive stage.
 2. Alignment (``--steps``): ViT + projector + the LM's LoRA, the loss on the answers of a conversation about
    one image (a few question/answer turns, so the image's tokens are computed once for several answers); the
    per-patch loss continues at ``--aux-weight``. A frozen SmolLM2 reads the image tokens too weakly on this
@@ -39,96 +39,19 @@ from tessera.models.demo_vlm import IMAGE_TOKEN_ID, assemble_demo_vlm
 from tessera.testing.demo_vlm import build_random_vision_dir
 from tools import demo_vlm_chat_data as chat_data
 from tools import demo_vlm_data as data
+from tools.demo_vlm_lora import (
+    LoRALinear,
+    add_lora,
+    base_answers,
+    distillation_loss,
+    lora_state,
+    text_agreement,
+    text_batch,
+)
+from tools.demo_vlm_targets import PATCH_SIZE, PatchHeads, patch_targets
 
-VISION = dict(image_size=128, patch_size=16, hidden_size=256, intermediate_size=1024, num_hidden_layers=6,
-              num_attention_heads=4)  # fmt: skip
-GRID = VISION["image_size"] // VISION["patch_size"]
-TEXT_CLASSES = ["none", *data.WORDS, *(str(n) for n in range(100))]
-OBJECT_WEIGHT = 8.0  # an object patch's weight in the per-patch loss, against a background patch's 1
-
-
-# ---- per-patch targets (vision pre-training and the auxiliary loss) -------------------------------------
-
-SUB = 4  # a patch is sampled at SUB x SUB points to measure how much of it an object covers
-TARGETS = {  # per-patch target -> number of classes (0 is "no object" where that applies)
-    "shape": len(data.SHAPES) + 2,  # 1.. shapes, last: a text
-    "colour": len(data.COLOURS) + 1,
-    "size": 3,
-    "text": len(TEXT_CLASSES),
-    "position": len(data.POSITIONS) + 1,  # the object's left/right/top/bottom
-    "anchor": 2,  # 1: the patch holds the object's centre (one token per object, for counting)
-    "x": GRID + 1,  # the object's centre, in patch columns / rows (for relations)
-    "y": GRID + 1,
-    "shapes": 6,  # how many shapes the scene has (every patch)
-    "same_colour": 6,  # how many shapes share the object's colour / shape / size
-    "same_shape": 6,
-    "same_size": 6,
-}
-
-
-def _covers(obj: dict, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    if "text" in obj:
-        return (np.abs(x - obj["cx"]) <= obj["half_w"]) & (np.abs(y - obj["cy"]) <= obj["half_h"])
-    return np.hypot(x - obj["cx"], y - obj["cy"]) <= obj["extent"] * 0.85
-
-
-def patch_targets(scene: dict) -> torch.Tensor:
-    """[len(TARGETS), GRID * GRID] class ids per patch (row-major) of the object that covers the patch most
-    (at least 2 of its SUB x SUB sample points; the patch holding an object's centre is always that object's),
-    0 where no object does; "shapes" is set everywhere. Small objects and thin text cover few patches: every
-    object gets at least its centre patch."""
-    offsets = (np.arange(SUB) + 0.5) / SUB
-    grid = (np.arange(GRID)[:, None] + offsets[None, :]).reshape(-1) / GRID  # GRID * SUB sample coordinates
-    y, x = np.meshgrid(grid, grid, indexing="ij")
-    objects = scene["objects"]
-    shapes = [o for o in objects if "text" not in o]
-    owner = np.full((GRID, GRID), -1)
-    best = np.full((GRID, GRID), 1)  # at least 2 sample points
-    for i, obj in enumerate(objects):
-        cover = _covers(obj, x, y).reshape(GRID, SUB, GRID, SUB).sum(axis=(1, 3))
-        owner[cover > best] = i
-        best = np.maximum(best, cover)
-    for i, obj in enumerate(objects):  # every object owns the patch of its centre
-        owner[min(int(obj["cy"] * GRID), GRID - 1), min(int(obj["cx"] * GRID), GRID - 1)] = i
-    targets = torch.zeros(len(TARGETS), GRID, GRID, dtype=torch.long)
-    rows = {name: i for i, name in enumerate(TARGETS)}
-    targets[rows["shapes"]] = len(shapes)
-    for i, obj in enumerate(objects):
-        where = torch.from_numpy(owner == i)
-        col, row = min(int(obj["cx"] * GRID), GRID - 1), min(int(obj["cy"] * GRID), GRID - 1)
-        if "text" in obj:
-            classes = {"shape": len(data.SHAPES) + 1, "text": TEXT_CLASSES.index(obj["text"])}
-        else:
-            classes = {"shape": data.SHAPES.index(obj["shape"]) + 1, "size": 1 + (obj["size"] == "large"),
-                       "colour": list(data.COLOURS).index(obj["colour"]) + 1,
-                       "same_colour": sum(s["colour"] == obj["colour"] for s in shapes),
-                       "same_shape": sum(s["shape"] == obj["shape"] for s in shapes),
-                       "same_size": sum(s["size"] == obj["size"] for s in shapes)}  # fmt: skip
-        position = data.POSITIONS.index(data.position_of(obj["cx"], obj["cy"])) + 1
-        classes |= {"position": position, "x": col + 1, "y": row + 1}
-        for name, value in classes.items():
-            targets[rows[name]][where] = value
-        targets[rows["anchor"], row, col] = 1
-    return targets.reshape(len(TARGETS), -1)
-
-
-class PatchHeads(torch.nn.Module):
-    """Linear classifiers over the tower's patch features, one per TARGETS entry (dropped after training)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.heads = torch.nn.ModuleList(torch.nn.Linear(width, n) for n in TARGETS.values())
-
-    def loss(self, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """features [B, P, width], targets [B, len(TARGETS), P] -> the mean cross-entropy over heads and patches,
-        object patches weighted up (most patches are background: unweighted, the loss is low while the
-        objects, what the answers are about, are still misread)."""
-        weight = 1.0 + (OBJECT_WEIGHT - 1.0) * (targets[:, 0] > 0).flatten().float()
-        total = 0.0
-        for i, head in enumerate(self.heads):
-            losses = F.cross_entropy(head(features.float()).flatten(0, 1), targets[:, i].flatten(), reduction="none")
-            total = total + (losses * weight).sum() / weight.sum()
-        return total / len(self.heads)
+VISION = dict(image_size=data.IMAGE_SIZE, patch_size=PATCH_SIZE, hidden_size=256, intermediate_size=1024,
+              num_hidden_layers=6, num_attention_heads=4)  # fmt: skip
 
 
 # ---- conversations ----------------------------------------------------------------------------------------
@@ -174,106 +97,6 @@ def collate(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         weights[row, :n] = item["weights"]
     return {"input_ids": ids, "labels": labels, "attention_mask": mask, "weights": weights,
             "pixel_values": torch.stack([item["pixel_values"] for item in items])}  # fmt: skip
-
-
-# ---- the language model's LoRA ---------------------------------------------------------------------------
-
-
-class LoRALinear(torch.nn.Module):
-    """A frozen linear layer plus a trainable low-rank update, W x + scale * B A x (float32 factors; B starts
-    at zero, so training starts from SmolLM2 exactly). `enabled = False` gives the base layer (the teacher of
-    the text-only distillation)."""
-
-    enabled = True
-
-    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float) -> None:
-        super().__init__()
-        self.base, self.scale = base, alpha / rank
-        self.lora_A = torch.nn.Parameter(torch.randn(rank, base.in_features) / base.in_features**0.5)
-        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
-        if LoRALinear.enabled:
-            out = out + (x @ self.lora_A.to(x.dtype).T) @ (self.scale * self.lora_B).to(x.dtype).T
-        return out
-
-
-def add_lora(language_model, rank: int, alpha: float) -> dict[str, LoRALinear]:
-    """Wrap every linear layer of the decoder (attention and MLP) in a LoRALinear -> {module name: wrapper}."""
-    wrapped = {}
-    for name, module in list(language_model.named_modules()):
-        for child, layer in list(module.named_children()):
-            if isinstance(layer, torch.nn.Linear):
-                wrapper = LoRALinear(layer, rank, alpha)
-                setattr(module, child, wrapper)
-                wrapped[f"{name}.{child}" if name else child] = wrapper
-    return wrapped
-
-
-def lora_state(wrapped: dict[str, LoRALinear]) -> dict[str, torch.Tensor]:
-    """The shipped form: `{name}.lora_A` and `{name}.lora_B` (scale folded into B), so W' = W + B @ A."""
-    state = {}
-    for name, layer in wrapped.items():
-        state[f"language_model.{name}.lora_A"] = layer.lora_A.detach()
-        state[f"language_model.{name}.lora_B"] = (layer.scale * layer.lora_B).detach()
-    return state
-
-
-# ---- text-only self-distillation --------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def base_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch: int = 32) -> list[list[int]]:
-    """SmolLM2's own greedy answer (token ids, through <|im_end|> when it finished) to each prompt."""
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    tokenizer.padding_side = "left"
-    answers = []
-    for i in range(0, len(prompts), batch):
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts[i : i + batch]]  # fmt: skip
-        inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=end)
-        for row in out[:, inputs["input_ids"].shape[1] :].tolist():
-            answers.append(row[: row.index(end) + 1] if end in row else row)
-    tokenizer.padding_side = "right"
-    return answers
-
-
-def text_batch(tokenizer, prompts: list[str], answers: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Text-only chats (prompt + SmolLM2's answer), right-padded, with a mask of the answer positions."""
-    rows = []
-    for prompt, answer in zip(prompts, answers):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        rows.append((ids + answer, len(ids)))
-    width = max(len(ids) for ids, _ in rows)
-    batch = {"input_ids": torch.full((len(rows), width), tokenizer.pad_token_id),
-             "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
-             "answer": torch.zeros(len(rows), width, dtype=torch.bool)}  # fmt: skip
-    for i, (ids, start) in enumerate(rows):
-        batch["input_ids"][i, : len(ids)] = torch.tensor(ids)
-        batch["attention_mask"][i, : len(ids)] = 1
-        batch["answer"][i, start - 1 : len(ids) - 1] = True  # positions whose next token is the answer's
-    return batch
-
-
-def distillation_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """KL(SmolLM2 || SmolLM2 + LoRA) of the next-token distributions along SmolLM2's own answers."""
-    lm = model.model.language_model
-
-    def logits() -> torch.Tensor:
-        hidden = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        return model.lm_head(hidden[batch["answer"]]).float()
-
-    with torch.no_grad():
-        LoRALinear.enabled = False
-        try:
-            teacher = F.log_softmax(logits(), dim=-1)
-        finally:
-            LoRALinear.enabled = True
-    student = F.log_softmax(logits(), dim=-1)
-    return F.kl_div(student, teacher, log_target=True, reduction="batchmean")
 
 
 # ---- training ---------------------------------------------------------------------------------------------
@@ -329,8 +152,8 @@ def calibrate_projector(model, pixels: torch.Tensor) -> tuple[float, float]:
     learned to read them slowly. Returns (output norm before, after)."""
     projector = model.model.multi_modal_projector
     features = model.model.vision_tower(pixels, output_hidden_states=True).hidden_states[-1][:, 1:]
-    projector.linear_1.weight.mul_(1.0 / projector.linear_1(features).std())
     projector.linear_1.bias.zero_()
+    projector.linear_1.weight.mul_(1.0 / projector.linear_1(features).std())
     before = projector(features).norm(dim=-1).mean()
     target = model.model.get_input_embeddings().weight.float().norm(dim=-1).mean()
     projector.linear_2.weight.mul_(target / before)
@@ -379,13 +202,6 @@ def evaluate(model, processor, eval_set, limit: int = 70) -> dict[str, tuple[int
         scores[kind][0] += text.strip().lower().rstrip(".") == answer
         scores[kind][1] += 1
     return {kind: (hit, n) for kind, (hit, n) in scores.items()}
-
-
-@torch.no_grad()
-def text_agreement(model, tokenizer, prompts: list[str], expected: list[list[int]]) -> int:
-    """How many of the prompts get SmolLM2's own greedy answer (`expected`, as many tokens) from the model."""
-    got = base_answers(model, tokenizer, prompts, max(len(e) for e in expected))
-    return sum(g[: len(e)] == e for g, e in zip(got, expected))
 
 
 def save_shipped(model, wrapped: dict[str, LoRALinear], work_vision: Path, out: Path) -> None:

