@@ -4,7 +4,8 @@ answer as it was (self-distillation).
 
 ``general_prompts(seed)`` returns a fixed, shuffled list of a few hundred everyday questions and requests
 built from templates and fillers. ``HELD_OUT_QUESTIONS``, the ten the tests and the evaluation ask, are never
-among them: they measure whether the model's text answers held, on prompts it never saw.
+among them: they measure whether the model's text answers held, on prompts it never saw, and so do the
+``KNOWLEDGE_QUESTIONS``, scored by the words a right answer contains (whether the answers got worse).
 """
 
 from __future__ import annotations
@@ -16,6 +17,41 @@ HELD_OUT_QUESTIONS = [
     "Name three colours.", "Who wrote Romeo and Juliet?", "What is the largest planet in the solar system?",
     "Translate 'thank you' into French.", "Give me a synonym for happy.", "What do bees make?",
     "Write a haiku about the sea.",
+]  # fmt: skip
+# General-knowledge questions with the words a right answer contains (any one, as a whole word, any case):
+# the "not worse" check of a LoRA'd model's text answers, SmolLM2 alone against the demo model. Never in
+# training, and none of them a filled-in _TEMPLATES phrasing.
+KNOWLEDGE_QUESTIONS = [
+    ("What is the boiling point of water in degrees Celsius?", ("100",)),
+    ("How many legs does a spider have?", ("eight", "8")),
+    ("What is the chemical symbol for gold?", ("au",)),
+    ("Who painted the Mona Lisa?", ("leonardo", "vinci")),
+    ("Which planet is known as the Red Planet?", ("mars",)),
+    ("How many continents are there on Earth?", ("seven", "7")),
+    ("What is the largest ocean on Earth?", ("pacific",)),
+    ("Which gas do plants absorb from the air?", ("carbon dioxide", "co2")),
+    ("What is the square root of 81?", ("nine", "9")),
+    ("In which country are the pyramids of Giza?", ("egypt",)),
+    ("What is the tallest mountain in the world?", ("everest",)),
+    ("Who developed the theory of relativity?", ("einstein",)),
+    ("What is the currency of Japan?", ("yen",)),
+    ("How many hours are there in a day?", ("24", "twenty-four", "twenty four")),
+    ("What is the chemical formula of water?", ("h2o", "h₂o")),
+    ("What colour is the sky on a clear day?", ("blue",)),
+    ("How many minutes are in an hour?", ("60", "sixty")),
+    ("How many days are there in a leap year?", ("366",)),
+    ("Which animal is known as the king of the jungle?", ("lion",)),
+    ("What is the closest star to the Earth?", ("sun",)),
+    ("How many sides does a triangle have?", ("three", "3")),
+    ("What is the capital city of the United Kingdom?", ("london",)),
+    ("Who wrote the play Hamlet?", ("shakespeare",)),
+    ("What do caterpillars turn into?", ("butterfly", "butterflies", "moth", "moths")),
+    ("Which organ pumps blood through the body?", ("heart",)),
+    ("What is the largest mammal?", ("whale",)),
+    ("How many months are there in a year?", ("twelve", "12")),
+    ("What is the main gas in the air we breathe?", ("nitrogen",)),
+    ("What is 10 divided by 2?", ("five", "5")),
+    ("Which season comes after winter?", ("spring",)),
 ]  # fmt: skip
 _FILLERS = {
     "country": ["Italy", "Spain", "Germany", "Japan", "Canada", "Egypt", "Brazil", "Kenya", "Norway", "India",

@@ -55,7 +55,8 @@ API:
   (relation yes/no subsampled to balance), one phrasing each, drawn from the split's templates.
 * ``make_dataset(n, seed, split="train") -> [(image, [(kind, question, answer), ...]), ...]``: n scenes.
 * ``make_eval_set(n_per_kind, seed) -> [(image, kind, question, answer), ...]``: eval layouts and templates,
-  at least ``n_per_kind`` questions of every kind, single-object scenes included.
+  at least ``n_per_kind`` questions of every kind, single-object scenes included (``make_eval_scenes``: the
+  same with the scene instead of its image).
 
 ``python -m tools.demo_vlm_data --out DIR [--n 12] [--seed 0] [--split train]`` writes PNGs and a
 ``questions.txt`` to look at.
@@ -489,7 +490,14 @@ def make_dataset(n: int, seed: int, split: str = "train") -> list[tuple[Image.Im
 
 
 def make_eval_set(n_per_kind: int, seed: int) -> list[tuple[Image.Image, str, str, str]]:
-    """Eval layouts and held-out phrasings: at least n_per_kind (image, kind, question, answer) of every kind,
+    """``make_eval_scenes`` with each scene rendered: (image, kind, question, answer)."""
+    images: dict[int, Image.Image] = {}
+    return [(images.setdefault(id(scene), render(scene)), kind, question, answer)
+            for scene, kind, question, answer in make_eval_scenes(n_per_kind, seed)]  # fmt: skip
+
+
+def make_eval_scenes(n_per_kind: int, seed: int) -> list[tuple[dict, str, str, str]]:
+    """Eval layouts and held-out phrasings: at least n_per_kind (scene, kind, question, answer) of every kind,
     one question per kind per scene; every fourth scene has a single object, every third one a text. Among a
     scene's questions of a kind, the one whose answer class (yes / no / which for relation, the answer for count
     and position) is the rarest so far is taken, so that those answers come out balanced."""
@@ -509,7 +517,6 @@ def make_eval_set(n_per_kind: int, seed: int) -> list[tuple[Image.Image, str, st
         text = False if n == 1 else (True if i % 3 == 0 else None)
         i += 1
         scene = make_scene(rng, "eval", n=n, text=text)
-        image = None
         qas = questions(scene, rng, "eval")
         for kind in KINDS:
             options = [qa for qa in qas if qa[0] == kind]
@@ -517,9 +524,7 @@ def make_eval_set(n_per_kind: int, seed: int) -> list[tuple[Image.Image, str, st
                 continue
             rarest = min(seen[kind, answer_class(kind, a)] for _, _, a in options)
             _, question, answer = rng.choice([qa for qa in options if seen[kind, answer_class(kind, qa[2])] == rarest])
-            if image is None:
-                image = render(scene)
-            out.append((image, kind, question, answer))
+            out.append((scene, kind, question, answer))
             counts[kind] += 1
             seen[kind, answer_class(kind, answer)] += 1
     return out

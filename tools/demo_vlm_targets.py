@@ -25,6 +25,8 @@ TARGETS = {  # per-patch target -> number of classes (0 is "no object" where tha
     "anchor": 2,  # 1: the patch holds the object's centre (one token per object, for counting)
     "x": GRID + 1,  # the object's centre, in patch columns / rows (for relations)
     "y": GRID + 1,
+    "x_rank": 6,  # the object's place from the left / from the top among all objects (1..5): the order of
+    "y_rank": 6,  # its slot record and its row rank (tools/demo_vlm_slots.py)
     "shapes": 6,  # how many shapes the scene has (every patch)
     "same_colour": 6,  # how many shapes share the object's colour / shape / size
     "same_shape": 6,
@@ -76,7 +78,9 @@ def patch_targets(scene: dict) -> torch.Tensor:
                        "same_shape": sum(s["shape"] == obj["shape"] for s in shapes),
                        "same_size": sum(s["size"] == obj["size"] for s in shapes)}  # fmt: skip
         position = data.POSITIONS.index(data.position_of(obj["cx"], obj["cy"])) + 1
-        classes |= {"position": position, "x": col + 1, "y": row + 1}
+        classes |= {"position": position, "x": col + 1, "y": row + 1,
+                    "x_rank": 1 + sum(o["cx"] < obj["cx"] for o in objects),
+                    "y_rank": 1 + sum(o["cy"] < obj["cy"] for o in objects)}  # fmt: skip
         for name, value in classes.items():
             targets[rows[name]][where] = value
         targets[rows["anchor"], row, col] = 1

@@ -28,6 +28,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "quick_gelu": quick_gelu,
     "relu": F.relu,
     "relu2": relu2,
+    "sigmoid": torch.sigmoid,
     "silu": F.silu,
 }
 

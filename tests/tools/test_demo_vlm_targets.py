@@ -23,15 +23,18 @@ def cell(x: float, y: float) -> tuple[int, int]:
 
 def test_patch_targets_mark_the_patches_an_object_covers():
     star = {"shape": "star", "colour": "pink", "size": "large", "cx": 0.2, "cy": 0.7, "extent": 0.14}
-    small = {"shape": "circle", "colour": "pink", "size": "small", "cx": 0.72, "cy": 0.70, "extent": 0.06}
+    small = {"shape": "circle", "colour": "pink", "size": "small", "cx": 0.72, "cy": 0.66, "extent": 0.06}
     text = {"text": "cat", "text_kind": "word", "cx": 0.75, "cy": 0.25, "extent": 0.1, "half_w": 0.1, "half_h": 0.07}
     t = targets_of({"objects": [star, small, text]})
-    at_star, at_small, at_word, empty = cell(0.2, 0.7), cell(0.72, 0.70), cell(0.75, 0.25), cell(0.95, 0.95)
+    at_star, at_small, at_word, empty = cell(0.2, 0.7), cell(0.72, 0.66), cell(0.75, 0.25), cell(0.95, 0.95)
     assert t["shape"][at_star] == data.SHAPES.index("star") + 1 and t["size"][at_star] == 2
     assert t["colour"][at_star] == list(data.COLOURS).index("pink") + 1
     assert t["position"][at_star] == data.POSITIONS.index("left") + 1
     assert (t["x"][at_star], t["y"][at_star]) == (at_star[1] + 1, at_star[0] + 1)
     assert t["same_colour"][at_star] == 2 and t["same_shape"][at_star] == 1 and t["same_size"][at_star] == 1
+    # left to right: star (0.2), circle (0.72), word (0.75); top to bottom: word (0.25), circle (0.66), star
+    assert (t["x_rank"][at_star], t["x_rank"][at_small], t["x_rank"][at_word]) == (1, 2, 3)
+    assert (t["y_rank"][at_star], t["y_rank"][at_small], t["y_rank"][at_word]) == (3, 2, 1)
     assert t["shape"][at_small] == data.SHAPES.index("circle") + 1 and t["size"][at_small] == 1
     assert t["shape"][at_word] == len(data.SHAPES) + 1 and targets.TEXT_CLASSES[t["text"][at_word]] == "cat"
     assert t["anchor"].sum() == 3 and t["anchor"][at_star] == t["anchor"][at_small] == t["anchor"][at_word] == 1

