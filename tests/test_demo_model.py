@@ -26,7 +26,7 @@ from tessera import LLM, SamplingParams  # noqa: E402
 from tessera.entrypoints.cli import main as cli_main  # noqa: E402
 from tessera.models.demo_vlm import SHIPPED_VISION_DIR, demo_model_folder, find_smollm2_gguf  # noqa: E402
 from tools import demo_vlm_data  # noqa: E402
-from tools.demo_vlm_chat_data import HELD_OUT_QUESTIONS  # noqa: E402
+from tools.demo_vlm_chat_data import HELD_OUT_QUESTIONS, KNOWLEDGE_QUESTIONS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 THREE_SHAPES = REPO / "examples" / "three_shapes.png"
@@ -64,13 +64,20 @@ def test_generate_describes_the_example_image(folder):
     assert out.getvalue() == example_caption("three_shapes.png") + "\n"
 
 
-def test_text_only_answers_are_smollm2s_own(demo_llm):
-    chats = [[{"role": "user", "content": q}] for q in HELD_OUT_QUESTIONS]  # never in training
+def test_text_only_answers_are_not_worse_than_smollm2s(demo_llm):
+    """The LoRA changes SmolLM2's weights, so its greedy text can differ; what it knows must not get worse:
+    general-knowledge questions never in training, scored by the words a right answer contains."""
+    from tools.eval_demo_model import knows
+
+    chats = [[{"role": "user", "content": q}] for q, _ in KNOWLEDGE_QUESTIONS]
     ours = [o.outputs[0].text for o in demo_llm.chat(chats, GREEDY, use_tqdm=False)]
     smollm2 = LLM(str(find_smollm2_gguf()), dtype="float32", kv_cache_memory="64MiB")
     theirs = [o.outputs[0].text for o in smollm2.chat(chats, GREEDY, use_tqdm=False)]
-    assert ours == theirs
-    assert "Paris" in ours[0]  # and they are real answers
+    right = [sum(knows(answer, words) for answer, (_, words) in zip(answers, KNOWLEDGE_QUESTIONS))
+             for answers in (ours, theirs)]  # fmt: skip
+    assert right[0] >= right[1] >= len(KNOWLEDGE_QUESTIONS) // 2, (right, ours)
+    paris = demo_llm.chat([[{"role": "user", "content": HELD_OUT_QUESTIONS[0]}]], GREEDY, use_tqdm=False)
+    assert "Paris" in paris[0].outputs[0].text  # "What is the capital of France?"
 
 
 def test_tessera_generates_what_transformers_generates(folder, demo_llm):
