@@ -40,10 +40,12 @@ def answer_labels(ids: torch.Tensor, tokenizer) -> tuple[torch.Tensor, torch.Ten
     return labels, weights
 
 
-def chat_ids(tokenizer, qas: list[tuple[str, str, str]], image: list[int], generation: bool = False) -> list[int]:
-    """Token ids of a chat about one image whose tokens are `image` (one id per image position): the first
-    question carries the image, every (kind, question, answer) is a turn; `generation` drops the last answer
-    and ends with the assistant's opener."""
+def chat_ids(
+    tokenizer, qas: list[tuple[str, str, str]], image: list[int], generation: bool = False
+) -> tuple[list[int], int]:
+    """(token ids, where the image starts) of a chat about one image whose tokens are `image` (one id per
+    image position): the first question carries the image, every (kind, question, answer) is a turn;
+    `generation` drops the last answer and ends with the assistant's opener."""
     messages = []
     for i, (_, question, answer) in enumerate(qas):
         content = [{"type": "image"}, {"type": "text", "text": question}] if i == 0 else question
@@ -53,14 +55,14 @@ def chat_ids(tokenizer, qas: list[tuple[str, str, str]], image: list[int], gener
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
     ids = tokenizer.encode(text, add_special_tokens=False)
     at = ids.index(IMAGE_TOKEN_ID)
-    return ids[:at] + image + ids[at + 1 :]
+    return ids[:at] + image + ids[at + 1 :], at
 
 
 def reader_conversation(tokenizer, scene: dict, qas: list[tuple[str, str, str]]) -> dict[str, torch.Tensor]:
     image = slots.slot_ids(scene, tokenizer)
-    ids = torch.tensor(chat_ids(tokenizer, qas, image))
+    ids, first = chat_ids(tokenizer, qas, image)
+    ids = torch.tensor(ids)
     labels, weights = answer_labels(ids, tokenizer)
-    first = chat_ids(tokenizer, qas[:1], [IMAGE_TOKEN_ID] * len(image)).index(IMAGE_TOKEN_ID)
     image_mask = torch.zeros(len(ids), dtype=torch.bool)
     image_mask[first : first + len(image)] = True
     return {"input_ids": ids, "labels": labels, "weights": weights, "image_mask": image_mask}
@@ -121,7 +123,7 @@ def evaluate_reader(model, tokenizer, eval_scenes, limit: int | None = None) -> 
     """Exact-match answers (greedy, one turn) per kind from the scenes' true slots: the reader's ceiling."""
     scores: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for scene, kind, question, answer in eval_scenes[:limit]:
-        ids = chat_ids(tokenizer, [(kind, question, "")], slots.slot_ids(scene, tokenizer), generation=True)
+        ids, _ = chat_ids(tokenizer, [(kind, question, "")], slots.slot_ids(scene, tokenizer), generation=True)
         inputs = torch.tensor([ids])
         out = model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
                              max_new_tokens=40 if kind == "describe" else 8)  # fmt: skip

@@ -15,6 +15,8 @@ hold; ``slot_ids`` maps them to SmolLM2's token ids and ``slot_classes`` to indi
 
 from __future__ import annotations
 
+import functools
+
 from tools import demo_vlm_data as data
 
 NUM_SLOTS = 64  # one per image token: an 8 x 8 grid of 16 px patches on a 128 px image
@@ -56,15 +58,16 @@ def slot_classes(scene: dict) -> list[int]:
     return [index[word] for word in slot_words(scene)]
 
 
-def vocab_ids(tokenizer) -> list[int]:
-    """SmolLM2's token id of every ``VOCAB`` entry (each is exactly one token)."""
+@functools.lru_cache(maxsize=4)
+def vocab_ids(tokenizer) -> tuple[int, ...]:
+    """SmolLM2's token id of every ``VOCAB`` entry (each is exactly one token); once per tokenizer."""
     ids = []
     for word in VOCAB:
         tokens = tokenizer.encode(word, add_special_tokens=False)
         if len(tokens) != 1:
             raise ValueError(f"slot word {word!r} is {len(tokens)} tokens, not one")
         ids.append(tokens[0])
-    return ids
+    return tuple(ids)
 
 
 def slot_ids(scene: dict, tokenizer) -> list[int]:

@@ -15,7 +15,8 @@ Exit status 0 when every kind the issue names (colour, shape, count, position, r
 questions right as SmolLM2, 1 otherwise.
 ``--markdown`` prints the table as the README shows it.
 
-Usage: python -m tools.eval_demo_model [MODEL_FOLDER] [-n 100] [--seed 4242] [--hf-sample 20] [--markdown]
+Usage: python -m tools.eval_demo_model [MODEL_FOLDER | --vision-dir DIR] [-n 100] [--seed 4242] [--hf-sample 20]
+       [--markdown]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import re
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -95,16 +97,19 @@ def text_checks(llm, max_tokens: int) -> tuple[int, int, int]:
     kept = sum(a == b for a, b in zip(ours[:n], theirs[:n]))
     base_right = demo_right = 0
     for (question, words), a, b in zip(chat_data.KNOWLEDGE_QUESTIONS, ours[n:], theirs[n:]):
-        base_right += knows(b, words)
-        demo_right += knows(a, words)
-        if knows(a, words) != knows(b, words):
-            print(f"  knowledge {'lost' if knows(b, words) else 'gained'} on {question!r}: SmolLM2 {b!r}, demo {a!r}")
+        demo_knows, base_knows = knows(a, words), knows(b, words)
+        base_right, demo_right = base_right + base_knows, demo_right + demo_knows
+        if demo_knows != base_knows:
+            print(f"  knowledge {'lost' if base_knows else 'gained'} on {question!r}: SmolLM2 {b!r}, demo {a!r}")
     return kept, base_right, demo_right
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model", nargs="?", default=None, help="model folder (default: the shipped demo VLM)")
+    p.add_argument("model", nargs="?", default=None, help="model folder (default: the demo VLM, assembled)")
+    p.add_argument("--vision-dir", type=Path, default=None,
+                   help="assemble the demo VLM from this shipped side (what tools/train_demo_vlm.py wrote; "
+                        "default: tessera/demo_vlm)")  # fmt: skip
     p.add_argument("-n", type=int, default=100, help="questions per kind")
     p.add_argument("--seed", type=int, default=4242, help="eval set seed (training draws from its own stream)")
     p.add_argument("--max-tokens", type=int, default=40)
@@ -116,9 +121,9 @@ def main() -> int:
     args = p.parse_args()
 
     from tessera import LLM, SamplingParams
-    from tessera.models.demo_vlm import demo_model_folder
+    from tessera.models.demo_vlm import SHIPPED_VISION_DIR, demo_model_folder
 
-    model_dir = args.model or str(demo_model_folder())
+    model_dir = args.model or str(demo_model_folder(args.vision_dir or SHIPPED_VISION_DIR))
     start = time.time()
     items = data.make_eval_set(args.n, seed=args.seed)
     llm = LLM(model_dir, dtype=args.dtype, kv_cache_memory="512MiB")

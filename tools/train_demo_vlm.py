@@ -130,7 +130,7 @@ def train_encoder(args, rng: random.Random, log, checkpoint: Path) -> SlotEncode
         _step(optimizer, list(encoder.parameters()), loss, lr)
         if step % 100 == 0:
             log(f"encoder step {step}/{args.encoder_steps}: loss {loss.item():.3f}, slot accuracy {accuracy:.3f}")
-        if (step + 1) % (10 * args.eval_every) == 0 or step == args.encoder_steps - 1:
+        if (step + 1) % args.encoder_eval_every == 0 or step == args.encoder_steps - 1:
             encoder.eval()
             with autocast:
                 slot_wrong, scene_wrong = slot_errors(encoder, eval_scenes, eval_pixels)
@@ -174,7 +174,8 @@ def main() -> None:
     parser.add_argument("--encoder-lr", type=float, default=1e-3)
     parser.add_argument("--sharpen", type=float, default=4.0, help="export: the classifier's logit scale")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--eval-every", type=int, default=100, help="reader: steps between evaluations")
+    parser.add_argument("--encoder-eval-every", type=int, default=1000)
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -197,7 +198,7 @@ def main() -> None:
         return
     encoder = SlotEncoder.from_config(VISION)
     encoder.load_state_dict(load_file(encoder_file))
-    embeddings = model.model.get_input_embeddings().weight[slots.vocab_ids(tokenizer)].float()
+    embeddings = model.model.get_input_embeddings().weight[list(slots.vocab_ids(tokenizer))].float()
     save_shipped(encoder.eval(), embeddings, load_file(lora_file), args.out, args.sharpen)
     (args.out / "training.json").write_text(json.dumps(vars(args), default=str, indent=2))
     log(f"done; vision side and LoRA written to {args.out}")

@@ -57,7 +57,9 @@ def test_conversations_hold_the_slots_and_are_labelled_on_their_answers_only(tok
 
 def test_a_generation_prompt_ends_where_the_answer_starts(tokenizer):
     scene = data.make_scene(random.Random(1))
-    ids = reader.chat_ids(tokenizer, [("shape", "What shape is it?", "")], slots.slot_ids(scene, tokenizer), True)
+    image = slots.slot_ids(scene, tokenizer)
+    ids, at = reader.chat_ids(tokenizer, [("shape", "What shape is it?", "")], image, generation=True)
+    assert ids[at : at + len(image)] == image
     assert tokenizer.decode(ids).endswith("What shape is it?<|im_end|>\n<|im_start|>assistant\n")
 
 

@@ -12,7 +12,7 @@ from tools import demo_vlm_slots as slots
 
 
 def _records(words: list[str]) -> list[list[str]]:
-    used = [w for w in words]
+    used = list(words)
     while used and used[-1] == slots.FILLER:
         used.pop()
     assert len(used) % slots.RECORD == 0
