@@ -15,6 +15,8 @@ columns, so the projector's output is the embedding of the slot's token, which i
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -75,6 +77,29 @@ def slot_errors(encoder: SlotEncoder, scenes: list[dict], pixels: torch.Tensor) 
     target = torch.tensor([slots.slot_classes(s) for s in scenes])
     wrong = logits.argmax(-1) != target
     return wrong.float().mean().item(), wrong.any(-1).float().mean().item()
+
+
+SHAPE_FIELDS = ("column", "size", "colour", "shape", "position", "row", "end")
+TEXT_FIELDS = ("column", "kind", "word or digit", "digit", "position", "row", "end")
+
+
+@torch.no_grad()
+def field_errors(encoder: SlotEncoder, scenes: list[dict], pixels: torch.Tensor) -> dict[str, float]:
+    """Share of wrong slots per record field (``SHAPE_FIELDS``; a text's record by ``TEXT_FIELDS``, prefixed
+    "text "), by argmax: where the encoder still errs."""
+    logits, _ = encoder(pixels)
+    wrong, total = defaultdict(int), defaultdict(int)
+    for row, scene in enumerate(scenes):
+        target = slots.slot_classes(scene)
+        words = slots.slot_words(scene)
+        predicted = logits[row].argmax(-1).tolist()
+        for start in range(0, len(scene["objects"]) * slots.RECORD, slots.RECORD):
+            text = words[start + 1] in (" word", " number")
+            for k, name in enumerate(TEXT_FIELDS if text else SHAPE_FIELDS):
+                key = f"text {name}" if text else name
+                wrong[key] += predicted[start + k] != target[start + k]
+                total[key] += 1
+    return {key: wrong[key] / total[key] for key in total}
 
 
 @torch.no_grad()

@@ -4,8 +4,8 @@
 no vision encoder: it is pure text training, and it can be measured on its own (``evaluate_reader``).
 
 ``reader_conversation`` builds one training conversation (labels on the answers only), ``collate`` a batch,
-``reader_loss`` its answer loss; ``sample_conversation`` draws a scene and a few of its questions, one per
-kind, some ending in a text-only chat turn.
+``reader_loss`` its answer loss; ``sample_conversation`` draws a scene and a few of its questions, relations and
+counts more often than the rest, some ending in a text-only chat turn.
 """
 
 from __future__ import annotations
@@ -102,17 +102,25 @@ def reader_loss(model, batch: dict[str, torch.Tensor], noise: float = 0.0) -> to
     return (losses * weights).sum() / weights.sum()
 
 
+KIND_WEIGHTS = {"relation": 3.0, "count": 2.0}  # the rest 1: the reader learns the one-attribute kinds first
+
+
 def sample_conversation(rng: random.Random, turns: int, chats: list[tuple[str, str]], chat_share: float):
-    """A training scene and up to `turns` of its questions, each of a different kind in random order (a scene
-    allows many more relation and count questions than the others: drawn per kind, every kind gets its share);
-    in `chat_share` of them a last, text-only turn from `chats` (prompt, SmolLM2's answer)."""
+    """A training scene and up to `turns` distinct questions about it, each turn's kind drawn by
+    ``KIND_WEIGHTS`` among the kinds with questions left (per kind, not per question: a scene allows many more
+    relation and count questions than the others); in `chat_share` of them a last, text-only turn from
+    `chats` (prompt, SmolLM2's answer)."""
     scene = data.make_scene(rng, "train")
     by_kind: dict[str, list] = defaultdict(list)
     for qa in data.questions(scene, rng, "train"):
         by_kind[qa[0]].append(qa)
-    kinds = sorted(by_kind)
-    rng.shuffle(kinds)
-    qas = [rng.choice(by_kind[kind]) for kind in kinds[:turns]]
+    qas = []
+    while len(qas) < turns and by_kind:
+        kinds = sorted(by_kind)
+        kind = rng.choices(kinds, weights=[KIND_WEIGHTS.get(k, 1.0) for k in kinds])[0]
+        qas.append(by_kind[kind].pop(rng.randrange(len(by_kind[kind]))))
+        if not by_kind[kind]:
+            del by_kind[kind]
     if rng.random() < chat_share:
         qas.append(("chat", *rng.choice(chats)))
     return scene, qas

@@ -4,13 +4,14 @@ and the language model's LoRA learns to answer from.
 
 The objects are listed from left to right, one record of ``RECORD`` slots each::
 
-    shape:  " large" " red" " circle" " left" "2" ";"      size, colour, shape, position, row rank, end
-    text:   " word" " cat" "." " top" "1" ";"               or " number" "4" "2" (a one-digit number: "7" ".")
+    shape:  "1" " large" " red" " circle" " left" "2" ";"   column rank, size, colour, shape, position, row rank, end
+    text:   "2" " word" " cat" "." " top" "1" ";"           or " number" "4" "2" (a one-digit number: "7" ".")
 
-The row rank is the object's place from the top (1 = highest), so "above" / "below" are a comparison of two
-digits and "left of" / "right of" the order of the records. The unused slots after the last record hold
-``FILLER``. ``slot_words(scene)`` gives the ``NUM_SLOTS`` token strings, ``VOCAB`` every token a slot can
-hold; ``slot_ids`` maps them to SmolLM2's token ids and ``slot_classes`` to indices into ``VOCAB``.
+The column rank is the object's place from the left (the record's own number), the row rank its place from
+the top (1 = highest), so "left of" / "right of" and "above" / "below" are each a comparison of two digits.
+The unused slots after the last record hold ``FILLER``. ``slot_words(scene)`` gives the ``NUM_SLOTS`` token
+strings, ``VOCAB`` every token a slot can hold; ``slot_ids`` maps them to SmolLM2's token ids and
+``slot_classes`` to indices into ``VOCAB``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import functools
 from tools import demo_vlm_data as data
 
 NUM_SLOTS = 64  # one per image token: an 8 x 8 grid of 16 px patches on a 128 px image
-RECORD = 6  # slots per object
+RECORD = 7  # slots per object
 END, FILLER = ";", "."  # a record's last slot; the slots after the last record (and a one-digit number's 2nd)
 VOCAB = sorted(
     {f" {w}" for w in (*data.SIZES, *data.COLOURS, *data.SHAPES, *data.POSITIONS, *data.WORDS, "word", "number")}
@@ -41,14 +42,14 @@ def slot_words(scene: dict) -> list[str]:
     objects = scene["objects"]
     ranks = _row_ranks(objects)
     words: list[str] = []
-    for i in sorted(range(len(objects)), key=lambda i: objects[i]["cx"]):
+    for column, i in enumerate(sorted(range(len(objects)), key=lambda i: objects[i]["cx"]), start=1):
         o = objects[i]
         if "text" in o:
             digits_or_word = list(o["text"]) if o["text_kind"] == "number" else [f" {o['text']}"]
             what = [f" {o['text_kind']}", *digits_or_word, FILLER][:3]
         else:
             what = [f" {o['size']}", f" {o['colour']}", f" {o['shape']}"]
-        words += [*what, f" {data.position_of(o['cx'], o['cy'])}", str(ranks[i]), END]
+        words += [str(column), *what, f" {data.position_of(o['cx'], o['cy'])}", str(ranks[i]), END]
     return words + [FILLER] * (NUM_SLOTS - len(words))
 
 

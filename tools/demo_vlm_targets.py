@@ -1,7 +1,7 @@
 """Per-patch targets of the demo VLM's vision pre-training (and the auxiliary loss of its alignment): for each
 patch of a scene (``tools/demo_vlm_data.py``), the class ids of the object under it — shape, colour, size, word
-or number, position, centre, coordinates, counts (``TARGETS``) — and ``PatchHeads``, the throwaway linear
-classifiers that learn them from the vision tower's patch features."""
+or number and the character under the patch, position, centre, coordinates, counts (``TARGETS``) — and
+``PatchHeads``, the throwaway linear classifiers that learn them from the vision tower's patch features."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tools import demo_vlm_data as data
 PATCH_SIZE = 16
 GRID = data.IMAGE_SIZE // PATCH_SIZE  # patches per side
 TEXT_CLASSES = ["none", *data.WORDS, *(str(n) for n in range(100))]
+CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789"  # per-patch "char" classes 1.. (0: none)
 OBJECT_WEIGHT = 8.0  # an object patch's weight in the per-patch loss, against a background patch's 1
 SUB = 4  # a patch is sampled at SUB x SUB points to measure how much of it an object covers
 TARGETS = {  # per-patch target -> number of classes (0 is "no object" where that applies)
@@ -21,6 +22,7 @@ TARGETS = {  # per-patch target -> number of classes (0 is "no object" where tha
     "colour": len(data.COLOURS) + 1,
     "size": 3,
     "text": len(TEXT_CLASSES),
+    "char": len(CHARACTERS) + 1,  # the letter or digit under the patch: reading starts from glyphs
     "position": len(data.POSITIONS) + 1,  # the object's left/right/top/bottom
     "anchor": 2,  # 1: the patch holds the object's centre (one token per object, for counting)
     "x": GRID + 1,  # the object's centre, in patch columns / rows (for relations)
@@ -43,6 +45,29 @@ def _covers(obj: dict, x: np.ndarray, y: np.ndarray) -> np.ndarray:
 def _centre_cell(obj: dict) -> tuple[int, int]:
     """(row, col) of the patch holding the object's centre."""
     return min(int(obj["cy"] * GRID), GRID - 1), min(int(obj["cx"] * GRID), GRID - 1)
+
+
+def char_spans(obj: dict) -> list[tuple[str, float, float]]:
+    """A text object's characters with their horizontal spans (left, right) in fractions of the image width,
+    as ``demo_vlm_data.render`` draws them (the ink box centred on the object's centre; each character its
+    advance width)."""
+    big = data.IMAGE_SIZE * data.SUPERSAMPLE
+    font = data._font(max(1, round(obj["font"] * big)))
+    left, _, right, _ = font.getbbox(obj["text"])
+    x0 = obj["cx"] * big - (left + right) / 2
+    text = obj["text"]
+    return [(c, (x0 + font.getlength(text[:i])) / big, (x0 + font.getlength(text[: i + 1])) / big)
+            for i, c in enumerate(text)]  # fmt: skip
+
+
+def _char_classes(obj: dict) -> torch.Tensor:
+    """[GRID, GRID] "char" classes of a text object: per patch column, the character whose span is nearest the
+    column's centre."""
+    spans = char_spans(obj)
+    centres = (np.arange(GRID) + 0.5) / GRID
+    distance = np.array([[max(a - x, x - b, 0.0) for _, a, b in spans] for x in centres])  # [GRID, chars]
+    per_column = np.array([CHARACTERS.index(c) + 1 for c, _, _ in spans])[distance.argmin(axis=1)]
+    return torch.from_numpy(per_column).expand(GRID, GRID)
 
 
 def patch_targets(scene: dict) -> torch.Tensor:
@@ -71,6 +96,7 @@ def patch_targets(scene: dict) -> torch.Tensor:
         row, col = _centre_cell(obj)
         if "text" in obj:
             classes = {"shape": len(data.SHAPES) + 1, "text": TEXT_CLASSES.index(obj["text"])}
+            targets[rows["char"]][where] = _char_classes(obj)[where]
         else:
             classes = {"shape": data.SHAPES.index(obj["shape"]) + 1, "size": 1 + (obj["size"] == "large"),
                        "colour": list(data.COLOURS).index(obj["colour"]) + 1,

@@ -1,5 +1,5 @@
 """The demo VLM's reader stage: conversations about a scene whose image positions hold its slot tokens,
-labelled on the answers only, one question of each kind per conversation (some ending in a text-only chat)."""
+labelled on the answers only, relations and counts most often (some ending in a text-only chat)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,22 @@ from tools import demo_vlm_reader as reader
 from tools import demo_vlm_slots as slots
 
 
-def test_a_conversation_takes_one_question_of_each_kind():
+def test_a_conversation_asks_distinct_questions_relations_and_counts_most():
     chats = [("Hello!", "Hello! How can I help you today?")]
     ends_in_chat = 0
-    for seed in range(20):
+    kinds_asked: list[str] = []
+    for seed in range(60):
         scene, qas = reader.sample_conversation(random.Random(seed), turns=4, chats=chats, chat_share=0.5)
         kinds = [kind for kind, _, _ in qas]
-        assert len(kinds) == len(set(kinds)) and 1 <= len(kinds) <= 5 and "chat" not in kinds[:-1]
+        assert 1 <= len(kinds) <= 5 and "chat" not in kinds[:-1]
+        questions = [q for kind, q, _ in qas if kind != "chat"]
+        assert len(questions) == len(set(questions))
         ends_in_chat += kinds[-1] == "chat"
+        kinds_asked += kinds
         assert data.layout_split(scene) == "train"
-    assert 0 < ends_in_chat < 20
+    assert 0 < ends_in_chat < 60
+    share = {kind: kinds_asked.count(kind) for kind in data.KINDS}
+    assert share["relation"] > share["colour"] and share["count"] > share["colour"]
 
 
 @pytest.fixture(scope="module")

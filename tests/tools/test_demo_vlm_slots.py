@@ -19,7 +19,7 @@ def _records(words: list[str]) -> list[list[str]]:
     return [used[i : i + slots.RECORD] for i in range(0, len(used), slots.RECORD)]
 
 
-def test_slots_list_every_object_left_to_right_with_its_row_rank():
+def test_slots_list_every_object_left_to_right_with_its_column_and_row_ranks():
     rng = random.Random(0)
     seen_text = seen_number = 0
     for _ in range(300):
@@ -30,7 +30,8 @@ def test_slots_list_every_object_left_to_right_with_its_row_rank():
         records = _records(words)
         assert len(records) == len(objects)
         by_height = sorted(objects, key=lambda o: o["cy"])
-        for record, o in zip(records, objects):
+        for column, (record, o) in enumerate(zip(records, objects), start=1):
+            assert record.pop(0) == str(column)
             assert record[3] == " " + data.position_of(o["cx"], o["cy"])
             assert record[4] == str(by_height.index(o) + 1) and record[5] == slots.END
             if "text" not in o:
