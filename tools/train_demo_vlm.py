@@ -2,7 +2,7 @@
 LoRA on the language model, on the synthetic scenes of ``tools/demo_vlm_data.py``.
 
 The image tokens are made to *be words*: the encoder writes the scene as a fixed list of slot tokens
-(``tools/demo_vlm_slots.py``: each object's size, colour, shape, position and row rank, left to right, as
+(``tools/demo_vlm_slots.py``: each object's ranks, size, colour, shape and position, left to right, as
 SmolLM2 token embeddings), and the language model learns to answer from those. That splits the training into
 two stages that never meet, each cheap where joint training was not (see docs/demo-vlm-training.md):
 

@@ -9,7 +9,16 @@ import torch
 
 from tools import demo_vlm_data as data
 from tools import demo_vlm_slots as slots
-from tools.demo_vlm_encoder import PROJECTOR_ACT, SlotEncoder, export_projector, slot_errors, to_pixels
+from tools.demo_vlm_encoder import (
+    PROJECTOR_ACT,
+    SHAPE_FIELDS,
+    TEXT_FIELDS,
+    SlotEncoder,
+    export_projector,
+    field_errors,
+    slot_errors,
+    to_pixels,
+)
 
 SMALL = dict(image_size=128, patch_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
              num_attention_heads=4)  # fmt: skip
@@ -61,3 +70,30 @@ def test_the_encoder_learns_its_slots_from_pixels():
     slot_wrong, scene_wrong = slot_errors(encoder, scenes, pixels)
     fillers = sum(w == slots.FILLER for s in scenes for w in slots.slot_words(s)) / (4 * slots.NUM_SLOTS)
     assert slot_wrong <= 1 - fillers + 1e-6 and 0.0 <= scene_wrong <= 1.0
+
+
+class _Oracle(torch.nn.Module):
+    """Stands in for the encoder: sure logits of the scenes' true slots, except the `wrong` field of every
+    shape record, which it reads as the next vocabulary entry."""
+
+    def __init__(self, scenes: list[dict], wrong: str) -> None:
+        super().__init__()
+        self.scenes, self.wrong = scenes, wrong
+
+    def forward(self, pixels):
+        classes = torch.tensor([slots.slot_classes(s) for s in self.scenes])
+        for row, scene in enumerate(self.scenes):
+            words = slots.slot_words(scene)
+            for start in range(0, len(scene["objects"]) * slots.RECORD, slots.RECORD):
+                if words[start + 1] not in (" word", " number"):
+                    k = start + SHAPE_FIELDS.index(self.wrong)
+                    classes[row, k] = (classes[row, k] + 1) % len(slots.VOCAB)
+        return torch.nn.functional.one_hot(classes, len(slots.VOCAB)).float(), None
+
+
+def test_field_errors_name_the_field_that_is_misread():
+    rng = random.Random(2)
+    scenes = [data.make_scene(rng, "train", text=True) for _ in range(6)]
+    errors = field_errors(_Oracle(scenes, wrong="colour"), scenes, torch.zeros(6))
+    assert set(errors) == set(SHAPE_FIELDS) | {f"text {name}" for name in TEXT_FIELDS}
+    assert errors["colour"] == 1.0 and sum(errors.values()) == 1.0

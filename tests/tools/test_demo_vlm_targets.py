@@ -26,7 +26,7 @@ def test_patch_targets_mark_the_patches_an_object_covers():
     star = {"shape": "star", "colour": "pink", "size": "large", "cx": 0.2, "cy": 0.7, "extent": 0.14}
     small = {"shape": "circle", "colour": "pink", "size": "small", "cx": 0.72, "cy": 0.66, "extent": 0.06}
     text = {"text": "cat", "text_kind": "word", "cx": 0.75, "cy": 0.25, "extent": 0.1, "half_w": 0.1, "half_h": 0.07,
-            "font": 0.2}
+            "font": 0.2}  # fmt: skip
     t = targets_of({"objects": [star, small, text]})
     at_star, at_small, at_word, empty = cell(0.2, 0.7), cell(0.72, 0.66), cell(0.75, 0.25), cell(0.95, 0.95)
     assert t["shape"][at_star] == data.SHAPES.index("star") + 1 and t["size"][at_star] == 2
