@@ -70,10 +70,8 @@ class SlotEncoder(torch.nn.Module):
         return slot_loss + patch_loss, accuracy
 
 
-@torch.no_grad()
-def slot_errors(encoder: SlotEncoder, scenes: list[dict], pixels: torch.Tensor) -> tuple[float, float]:
-    """(share of slots wrong, share of scenes with any slot wrong) by argmax."""
-    logits, _ = encoder(pixels)
+def slot_errors(logits: torch.Tensor, scenes: list[dict]) -> tuple[float, float]:
+    """(share of slots wrong, share of scenes with any slot wrong) by argmax of the encoder's slot logits."""
     target = torch.tensor([slots.slot_classes(s) for s in scenes])
     wrong = logits.argmax(-1) != target
     return wrong.float().mean().item(), wrong.any(-1).float().mean().item()
@@ -83,11 +81,9 @@ SHAPE_FIELDS = ("column", "size", "colour", "shape", "position", "row", "end")
 TEXT_FIELDS = ("column", "kind", "word or digit", "digit", "position", "row", "end")
 
 
-@torch.no_grad()
-def field_errors(encoder: SlotEncoder, scenes: list[dict], pixels: torch.Tensor) -> dict[str, float]:
+def field_errors(logits: torch.Tensor, scenes: list[dict]) -> dict[str, float]:
     """Share of wrong slots per record field (``SHAPE_FIELDS``; a text's record by ``TEXT_FIELDS``, prefixed
-    "text "), by argmax: where the encoder still errs."""
-    logits, _ = encoder(pixels)
+    "text ") by argmax of the encoder's slot logits: where the encoder still errs."""
     wrong, total = defaultdict(int), defaultdict(int)
     for row, scene in enumerate(scenes):
         target = slots.slot_classes(scene)

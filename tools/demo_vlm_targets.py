@@ -52,10 +52,10 @@ def char_spans(obj: dict) -> list[tuple[str, float, float]]:
     as ``demo_vlm_data.render`` draws them (the ink box centred on the object's centre; each character its
     advance width)."""
     big = data.IMAGE_SIZE * data.SUPERSAMPLE
-    font = data._font(max(1, round(obj["font"] * big)))
-    left, _, right, _ = font.getbbox(obj["text"])
-    x0 = obj["cx"] * big - (left + right) / 2
     text = obj["text"]
+    font = data._font(max(1, round(obj["font"] * big)))
+    left, _, right, _ = data._text_box(text, obj["font"], big)
+    x0 = obj["cx"] * big - (left + right) / 2
     return [(c, (x0 + font.getlength(text[:i])) / big, (x0 + font.getlength(text[: i + 1])) / big)
             for i, c in enumerate(text)]  # fmt: skip
 

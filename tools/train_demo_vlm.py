@@ -140,9 +140,10 @@ def train_encoder(args, rng: random.Random, log, checkpoint: Path) -> SlotEncode
             log(f"encoder step {step}/{args.encoder_steps}: loss {loss.item():.3f}, slot accuracy {accuracy:.3f}")
         if (step + 1) % args.encoder_eval_every == 0 or step == args.encoder_steps - 1:
             encoder.eval()
-            with autocast:
-                slot_wrong, scene_wrong = slot_errors(encoder, eval_scenes, eval_pixels)
-                fields = field_errors(encoder, eval_scenes, eval_pixels)
+            with autocast, torch.no_grad():
+                logits, _ = encoder(eval_pixels)
+            slot_wrong, scene_wrong = slot_errors(logits, eval_scenes)
+            fields = field_errors(logits, eval_scenes)
             encoder.train()
             log(f"encoder held-out layouts: {slot_wrong:.2%} of slots wrong, {scene_wrong:.1%} of scenes; by field: "
                 + ", ".join(f"{name} {share:.1%}" for name, share in fields.items()))  # fmt: skip
