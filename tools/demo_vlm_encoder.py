@@ -15,12 +15,15 @@ columns, so the projector's output is the embedding of the slot's token, which i
 
 from __future__ import annotations
 
+import functools
+import random
 from collections import defaultdict
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tools import demo_vlm_data as data
 from tools import demo_vlm_slots as slots
 from tools.demo_vlm_targets import PatchHeads, patch_targets
 
@@ -29,12 +32,18 @@ AUX_LAYER = 3  # the per-patch heads read this layer's output: the layers above 
 UNUSED_BIAS = -30.0  # linear_1's rows past the vocabulary: sigmoid(-30) ~ 1e-13, nothing reaches linear_2
 
 
+@functools.cache
+def _clip_normalisation() -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD  # a slow lookup: once per process
+
+    return torch.tensor(OPENAI_CLIP_MEAN), torch.tensor(OPENAI_CLIP_STD)
+
+
 def to_pixels(image) -> torch.Tensor:
     """The CLIP image processor's normalisation for a 128 px image (no resize: scenes are drawn at size)."""
-    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-
+    mean, std = _clip_normalisation()
     array = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255)
-    return ((array - torch.tensor(OPENAI_CLIP_MEAN)) / torch.tensor(OPENAI_CLIP_STD)).permute(2, 0, 1)
+    return ((array - mean) / std).permute(2, 0, 1)
 
 
 class SlotEncoder(torch.nn.Module):
@@ -59,21 +68,46 @@ class SlotEncoder(torch.nn.Module):
         hidden = self.tower(pixels, output_hidden_states=True).hidden_states
         return self.classifier(hidden[-1][:, 1:]), hidden[self.aux_layer][:, 1:]
 
-    def loss(self, pixels: torch.Tensor, scenes: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slot loss + per-patch loss, slot accuracy) on a batch of rendered scenes."""
+    def loss(self, pixels: torch.Tensor, target: torch.Tensor, patch_target: torch.Tensor):
+        """(slot loss + per-patch loss, slot accuracy) on a batch of rendered scenes: `target` [B, P] their slot
+        classes, `patch_target` their ``patch_targets`` (both from ``scene_batch``, on the pixels' device)."""
         logits, middle = self(pixels)
-        target = torch.tensor([slots.slot_classes(s) for s in scenes])  # [B, P]
         onehot = F.one_hot(target, len(slots.VOCAB)).float()
-        slot_loss = F.binary_cross_entropy_with_logits(logits, onehot, reduction="none").sum(-1).mean()
-        patch_loss = self.heads.loss(middle, torch.stack([patch_targets(s) for s in scenes]))
+        slot_loss = F.binary_cross_entropy_with_logits(logits.float(), onehot, reduction="none").sum(-1).mean()
+        patch_loss = self.heads.loss(middle, patch_target)
         accuracy = (logits.argmax(-1) == target).float().mean()
         return slot_loss + patch_loss, accuracy
+
+
+def scene_batch(scenes: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scenes -> (pixels [B, 3, H, W], slot classes [B, P], per-patch targets [B, len(TARGETS), P]): the
+    encoder's training inputs, CPU tensors (made in data-loader workers on a GPU run)."""
+    pixels = torch.stack([to_pixels(data.render(s)) for s in scenes])
+    target = torch.tensor([slots.slot_classes(s) for s in scenes])
+    return pixels, target, torch.stack([patch_targets(s) for s in scenes])
+
+
+class SceneBatches(torch.utils.data.IterableDataset):
+    """Endless training batches of ``scene_batch``, each worker drawing from its own seeded generator (the
+    stream depends on the seed and the number of workers only; a data loader interleaves the workers in
+    turn)."""
+
+    def __init__(self, seed: int, batch: int, text_share: float) -> None:
+        self.seed, self.batch, self.text_share = seed, batch, text_share
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        rng = random.Random(self.seed * 1000 + (info.id if info else 0))
+        while True:
+            scenes = [data.make_scene(rng, "train", text=True if rng.random() < self.text_share else None)
+                      for _ in range(self.batch)]  # fmt: skip
+            yield scene_batch(scenes)
 
 
 def slot_errors(logits: torch.Tensor, scenes: list[dict]) -> tuple[float, float]:
     """(share of slots wrong, share of scenes with any slot wrong) by argmax of the encoder's slot logits."""
     target = torch.tensor([slots.slot_classes(s) for s in scenes])
-    wrong = logits.argmax(-1) != target
+    wrong = logits.argmax(-1).cpu() != target
     return wrong.float().mean().item(), wrong.any(-1).float().mean().item()
 
 
@@ -88,7 +122,7 @@ def field_errors(logits: torch.Tensor, scenes: list[dict]) -> dict[str, float]:
     for row, scene in enumerate(scenes):
         target = slots.slot_classes(scene)
         words = slots.slot_words(scene)
-        predicted = logits[row].argmax(-1).tolist()
+        predicted = logits[row].argmax(-1).tolist()  # tolist() leaves the GPU
         for start in range(0, len(scene["objects"]) * slots.RECORD, slots.RECORD):
             text = words[start + 1] in (" word", " number")
             for k, name in enumerate(TEXT_FIELDS if text else SHAPE_FIELDS):

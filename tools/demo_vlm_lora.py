@@ -22,8 +22,9 @@ class LoRALinear(torch.nn.Module):
     def __init__(self, base: torch.nn.Linear, rank: int, alpha: float) -> None:
         super().__init__()
         self.base, self.scale = base, alpha / rank
-        self.lora_A = torch.nn.Parameter(torch.randn(rank, base.in_features) / base.in_features**0.5)
-        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank))
+        device = base.weight.device
+        self.lora_A = torch.nn.Parameter(torch.randn(rank, base.in_features, device=device) / base.in_features**0.5)
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -49,8 +50,8 @@ def lora_state(wrapped: dict[str, LoRALinear]) -> dict[str, torch.Tensor]:
     for the decoder's module `name`): `.lora_A` and `.lora_B` (scale folded into B), so W' = W + B @ A."""
     state = {}
     for name, layer in wrapped.items():
-        state[f"language_model.model.{name}.lora_A"] = layer.lora_A.detach()
-        state[f"language_model.model.{name}.lora_B"] = (layer.scale * layer.lora_B).detach()
+        state[f"language_model.model.{name}.lora_A"] = layer.lora_A.detach().cpu()
+        state[f"language_model.model.{name}.lora_B"] = (layer.scale * layer.lora_B).detach().cpu()
     return state
 
 
@@ -65,7 +66,7 @@ def base_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batc
         for i in range(0, len(prompts), batch):
             chats = [[{"role": "user", "content": p}] for p in prompts[i : i + batch]]
             texts = tokenizer.apply_chat_template(chats, tokenize=False, add_generation_prompt=True)
-            inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=end)
             for row in out[:, inputs["input_ids"].shape[1] :].tolist():
                 answers.append(row[: row.index(end) + 1] if end in row else row)
@@ -95,6 +96,7 @@ def text_batch(tokenizer, prompts: list[str], answers: list[list[int]]) -> dict[
 def distillation_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """KL(SmolLM2 || SmolLM2 + LoRA) of the next-token distributions along SmolLM2's own answers."""
     lm = model.model.language_model
+    batch = {key: value.to(model.device) for key, value in batch.items()}
 
     def logits() -> torch.Tensor:
         hidden = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state

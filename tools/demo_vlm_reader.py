@@ -88,6 +88,7 @@ def collate(items: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 def reader_loss(model, batch: dict[str, torch.Tensor], noise: float = 0.0) -> torch.Tensor:
     """Answer cross-entropy (weighted as ``answer_labels`` says); the image positions' embeddings get Gaussian
     noise of `noise` times the embeddings' typical length."""
+    batch = {key: value.to(model.device) for key, value in batch.items()}
     embeds = model.model.get_input_embeddings()(batch["input_ids"])
     if noise > 0:
         scale = noise * embeds.detach().float().norm(dim=-1).mean() / embeds.shape[-1] ** 0.5
@@ -132,7 +133,7 @@ def evaluate_reader(model, tokenizer, eval_scenes, limit: int | None = None) -> 
     scores: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for scene, kind, question, answer in eval_scenes[:limit]:
         ids, _ = chat_ids(tokenizer, [(kind, question, "")], slots.slot_ids(scene, tokenizer), generation=True)
-        inputs = torch.tensor([ids])
+        inputs = torch.tensor([ids], device=model.device)
         out = model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
                              max_new_tokens=40 if kind == "describe" else 8)  # fmt: skip
         text = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)

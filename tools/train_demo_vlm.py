@@ -17,10 +17,13 @@ two stages that never meet, each cheap where joint training was not (see docs/de
 Then the classifier is exported as LLaVA's projector (sigmoid, then the slot tokens' embeddings) and the
 shipped side is written to ``--out``, float16: ``vision_config.json``, ``vision.safetensors`` (tower +
 projector) and ``lora.safetensors`` (scale folded in), the folder ``tessera.models.demo_vlm.assemble_demo_vlm``
-turns into the full model. Everything is seeded and runs offline on the CPU (bfloat16 autocast where the CPU
-has it). Evaluate the result with ``python -m tools.eval_demo_model --vision-dir OUT``.
+turns into the full model. Everything is seeded and runs offline, on a CUDA GPU where one is at hand, else on
+the CPU (bfloat16 where the CPU has it; CPU and GPU give different draws of the same recipe). On a GPU the
+scenes are drawn in ``--workers`` data-loader processes. Evaluate the result with
+``python -m tools.eval_demo_model --vision-dir OUT``.
 
 Usage: python -m tools.train_demo_vlm [--out tessera/demo_vlm] [--reader-steps N] [--encoder-steps N] [--seed 0]
+       python -m tools.train_demo_vlm --stage encoder ... ; ... --stage reader ; ... --stage export
 """
 
 from __future__ import annotations
@@ -28,18 +31,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
 
 from tools import demo_vlm_chat_data as chat_data
 from tools import demo_vlm_data as data
 from tools import demo_vlm_slots as slots
 from tools.demo_vlm_encoder import (
     PROJECTOR_ACT,
+    SceneBatches,
     SlotEncoder,
     export_projector,
     field_errors,
@@ -71,9 +77,14 @@ def _step(optimizer, params, loss: torch.Tensor, lr: float) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def load_language_model(work: Path, seed: int):
-    """SmolLM2 (frozen, bfloat16 where the CPU has it) in a LLaVA model assembled with a throwaway vision side,
-    and its tokenizer with the demo's chat template."""
+def low_precision(device: str) -> torch.dtype:
+    """bfloat16 on a GPU and on CPUs with oneDNN's bfloat16 kernels, else float32."""
+    return torch.bfloat16 if device != "cpu" or torch.backends.mkldnn.is_available() else torch.float32
+
+
+def load_language_model(work: Path, seed: int, device: str):
+    """SmolLM2 (frozen, ``low_precision``) in a LLaVA model assembled with a throwaway vision side, and its
+    tokenizer with the demo's chat template."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from tessera.models.demo_vlm import CHAT_TEMPLATE, assemble_demo_vlm
@@ -82,14 +93,14 @@ def load_language_model(work: Path, seed: int):
     folder = assemble_demo_vlm(work / "model", build_random_vision_dir(work / "vision0", seed=seed))
     tokenizer = AutoProcessor.from_pretrained(folder).tokenizer
     tokenizer.chat_template = CHAT_TEMPLATE
-    dtype = torch.bfloat16 if torch.backends.mkldnn.is_available() else torch.float32
-    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=dtype)
+    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=low_precision(device)).to(device)
     model.requires_grad_(False)
     return model.eval(), tokenizer
 
 
-def train_reader(model, tokenizer, args, rng: random.Random, log):
-    """Stage 1: the LoRA that answers from slot tokens, kept to SmolLM2's text answers. -> {name: LoRALinear}"""
+def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Path):
+    """Stage 1: the LoRA that answers from slot tokens, kept to SmolLM2's text answers (its ``lora_state`` saved to
+    `checkpoint` at every evaluation). -> {name: LoRALinear}"""
     prompts = chat_data.general_prompts(args.seed)
     answers = base_answers(model, tokenizer, prompts, max_new_tokens=64)
     held_out = chat_data.HELD_OUT_QUESTIONS
@@ -116,24 +127,26 @@ def train_reader(model, tokenizer, args, rng: random.Random, log):
             same = text_agreement(model, tokenizer, held_out, held_out_answers)
             log("reader held-out (true slots): " + ", ".join(f"{k} {h}/{n}" for k, (h, n) in sorted(scores.items()))
                 + f"; text answers kept {same}/{len(held_out)}")  # fmt: skip
+            save_file({k: v.contiguous() for k, v in lora_state(wrapped).items()}, checkpoint)
     return wrapped
 
 
-def train_encoder(args, rng: random.Random, log, checkpoint: Path) -> SlotEncoder:
+def train_encoder(args, log, checkpoint: Path) -> SlotEncoder:
     """Stage 2: the ViT that writes a scene's slot tokens into its image positions (saved to `checkpoint` at
     every evaluation)."""
-    encoder = SlotEncoder.from_config(VISION)
+    encoder = SlotEncoder.from_config(VISION).to(args.device)
     optimizer = torch.optim.AdamW(encoder.parameters(), lr=args.encoder_lr, weight_decay=0.01)
     eval_rng = random.Random(args.seed + 2000)
     eval_scenes = [data.make_scene(eval_rng, "eval") for _ in range(200)]
-    eval_pixels = torch.stack([to_pixels(data.render(s)) for s in eval_scenes])
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=torch.backends.mkldnn.is_available())
-    for step in range(args.encoder_steps):
-        scenes = [data.make_scene(rng, "train", text=True if rng.random() < args.encoder_text_share else None)
-                  for _ in range(args.encoder_batch)]  # fmt: skip
-        pixels = torch.stack([to_pixels(data.render(s)) for s in scenes])
+    eval_pixels = torch.stack([to_pixels(data.render(s)) for s in eval_scenes]).to(args.device)
+    dtype = low_precision(args.device)
+    autocast = torch.autocast(args.device, dtype=dtype, enabled=dtype == torch.bfloat16)
+    batches = DataLoader(SceneBatches(args.seed + 1, args.encoder_batch, args.encoder_text_share), batch_size=None,
+                         num_workers=args.workers, pin_memory=args.device != "cpu")  # fmt: skip
+    for step, batch in zip(range(args.encoder_steps), batches):
+        pixels, target, patch_target = (t.to(args.device, non_blocking=True) for t in batch)
         with autocast:
-            loss, accuracy = encoder.loss(pixels, scenes)
+            loss, accuracy = encoder.loss(pixels, target, patch_target)
         lr = schedule(step, args.encoder_steps, args.encoder_lr, warmup=200)
         _step(optimizer, list(encoder.parameters()), loss, lr)
         if step % 100 == 0:
@@ -147,7 +160,7 @@ def train_encoder(args, rng: random.Random, log, checkpoint: Path) -> SlotEncode
             encoder.train()
             log(f"encoder held-out layouts: {slot_wrong:.2%} of slots wrong, {scene_wrong:.1%} of scenes; by field: "
                 + ", ".join(f"{name} {share:.1%}" for name, share in fields.items()))  # fmt: skip
-            save_file(encoder.state_dict(), checkpoint)
+            save_file({k: v.cpu() for k, v in encoder.state_dict().items()}, checkpoint)
     return encoder.eval()
 
 
@@ -164,13 +177,25 @@ def save_shipped(encoder: SlotEncoder, embeddings: torch.Tensor, lora: dict, out
     (out / "vision_config.json").write_text(json.dumps(settings | LLAVA_SETTINGS, indent=2))
 
 
+def record_stage(args, stage: str, start: float) -> None:
+    """The stage's settings, device and minutes, for the shipped training.json (stages may run apart)."""
+    cuda = args.device.startswith("cuda")
+    device = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
+    record = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    record |= {"device": device, "minutes": round((time.perf_counter() - start) / 60, 1)}
+    (args.work / f"{stage}.json").write_text(json.dumps(record, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("tessera/demo_vlm"))
     parser.add_argument("--work", type=Path, default=Path("/tmp/tessera-demo-vlm-train"))
-    parser.add_argument("--stage", choices=("all", "reader", "encoder"), default="all",
-                        help="run one stage only (they are independent; the shipped side is written once the "
-                             "work folder holds both)")  # fmt: skip
+    parser.add_argument("--stage", choices=("all", "reader", "encoder", "export"), default="all",
+                        help="run one stage only (independent: they may run at once; the shipped side is written "
+                             "once the work folder holds both; export: write it from the work folder)")  # fmt: skip
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="encoder: scene-drawing processes (default: none on a CPU, up to 8 on a GPU)")  # fmt: skip
     parser.add_argument("--reader-steps", type=int, default=400)
     parser.add_argument("--encoder-steps", type=int, default=5000)
     parser.add_argument("--batch", type=int, default=8, help="reader: conversations per step")
@@ -191,6 +216,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100, help="reader: steps between evaluations")
     parser.add_argument("--encoder-eval-every", type=int, default=1000)
     args = parser.parse_args()
+    if args.workers is None:
+        args.workers = 0 if args.device == "cpu" else min(8, max(1, (os.cpu_count() or 2) - 4))
 
     start = time.perf_counter()
 
@@ -201,20 +228,24 @@ def main() -> None:
     lora_file, encoder_file = args.work / "reader_lora.safetensors", args.work / "encoder.safetensors"
     if args.stage in ("all", "encoder"):
         torch.manual_seed(args.seed + 1)
-        train_encoder(args, random.Random(args.seed + 1), log, checkpoint=encoder_file)
-    model, tokenizer = load_language_model(args.work, args.seed)
+        train_encoder(args, log, checkpoint=encoder_file)
+        record_stage(args, "encoder", start)
+        if args.stage == "encoder":
+            return log(f"encoder done: {encoder_file}")
+    model, tokenizer = load_language_model(args.work, args.seed, args.device)
     if args.stage in ("all", "reader"):
         torch.manual_seed(args.seed)
-        wrapped = train_reader(model, tokenizer, args, random.Random(args.seed), log)
-        save_file({k: v.contiguous() for k, v in lora_state(wrapped).items()}, lora_file)
+        train_reader(model, tokenizer, args, random.Random(args.seed), log, checkpoint=lora_file)
+        record_stage(args, "reader", start)
     if not (lora_file.is_file() and encoder_file.is_file()):
         log(f"stage {args.stage} done; the other stage's output is not in {args.work} yet")
         return
     encoder = SlotEncoder.from_config(VISION)
     encoder.load_state_dict(load_file(encoder_file))
-    embeddings = model.model.get_input_embeddings().weight[list(slots.vocab_ids(tokenizer))].float()
+    embeddings = model.model.get_input_embeddings().weight[list(slots.vocab_ids(tokenizer))].float().cpu()
     save_shipped(encoder.eval(), embeddings, load_file(lora_file), args.out, args.sharpen)
-    (args.out / "training.json").write_text(json.dumps(vars(args), default=str, indent=2))
+    stages = {name: json.loads((args.work / f"{name}.json").read_text()) for name in ("reader", "encoder")}
+    (args.out / "training.json").write_text(json.dumps(stages, indent=2))
     log(f"done; vision side and LoRA written to {args.out}")
 
 

@@ -13,9 +13,11 @@ from tools.demo_vlm_encoder import (
     PROJECTOR_ACT,
     SHAPE_FIELDS,
     TEXT_FIELDS,
+    SceneBatches,
     SlotEncoder,
     export_projector,
     field_errors,
+    scene_batch,
     slot_errors,
     to_pixels,
 )
@@ -54,14 +56,15 @@ def test_the_encoder_learns_its_slots_from_pixels():
     torch.manual_seed(0)
     encoder = SlotEncoder.from_config(SMALL)
     scenes = [data.make_scene(random.Random(i), "train") for i in range(4)]
-    pixels = torch.stack([to_pixels(data.render(s)) for s in scenes])
-    assert pixels.shape == (4, 3, 128, 128)
+    pixels, target, patch_target = scene_batch(scenes)
+    assert pixels.shape == (4, 3, 128, 128) and torch.equal(pixels[1], to_pixels(data.render(scenes[1])))
+    assert target.tolist() == [slots.slot_classes(s) for s in scenes]
     logits, middle = encoder(pixels)
     assert logits.shape == (4, slots.NUM_SLOTS, len(slots.VOCAB)) and middle.shape == (4, slots.NUM_SLOTS, 32)
     optimizer = torch.optim.AdamW(encoder.parameters(), lr=3e-3)
     losses = []
     for _ in range(30):  # one batch, memorised: the loss falls and the fillers come out right first
-        loss, accuracy = encoder.loss(pixels, scenes)
+        loss, accuracy = encoder.loss(pixels, target, patch_target)
         losses.append(loss.item())
         loss.backward()
         optimizer.step()
@@ -93,3 +96,28 @@ def test_field_errors_name_the_field_that_is_misread():
     assert set(errors) == set(SHAPE_FIELDS) | {f"text {name}" for name in TEXT_FIELDS}
     assert errors["colour"] == 1.0 and sum(errors.values()) == 1.0
     assert slot_errors(_misread(scenes, "colour"), scenes)[1] == 1.0  # every scene has a shape: all are wrong
+
+
+def test_scene_batches_are_seeded_per_worker_and_hold_the_scenes_targets():
+    from torch.utils.data import DataLoader
+
+    def first_batches(seed: int, workers: int, n: int = 2) -> list:
+        loader = DataLoader(SceneBatches(seed, batch=3, text_share=1.0), batch_size=None, num_workers=workers)
+        batches = []
+        for batch in loader:
+            batches.append(batch)
+            if len(batches) == n:
+                return batches
+
+    one, again, other = first_batches(0, 0), first_batches(0, 0), first_batches(1, 0)
+    assert all(torch.equal(a, b) for x, y in zip(one, again) for a, b in zip(x, y))
+    assert not torch.equal(one[0][0], other[0][0])
+    pixels, target, patch_target = one[0]
+    assert pixels.shape == (3, 3, 128, 128) and target.shape == (3, slots.NUM_SLOTS)
+    assert patch_target.shape[0] == 3 and patch_target.shape[-1] == slots.NUM_SLOTS
+    # text_share 1: every scene holds a word or a number, so some slot names its kind
+    kinds = [slots.VOCAB.index(" word"), slots.VOCAB.index(" number")]
+    assert all(any(c in kinds for c in row) for row in target.tolist())
+    # two workers take turns: the second batch is worker 1's first, a different stream from worker 0's
+    two = first_batches(0, 2)
+    assert torch.equal(two[0][0], one[0][0]) and not torch.equal(two[1][0], one[1][0])
