@@ -158,7 +158,7 @@ def train_encoder(args, log, checkpoint: Path) -> SlotEncoder:
     eval_scenes = [data.make_scene(eval_rng, "eval") for _ in range(200)]
     eval_pixels = torch.stack([to_pixels(data.render(s)) for s in eval_scenes]).to(args.device)
     dtype = low_precision(args.device)
-    autocast = torch.autocast(args.device, dtype=dtype, enabled=dtype == torch.bfloat16)
+    autocast = torch.autocast(torch.device(args.device).type, dtype=dtype, enabled=dtype == torch.bfloat16)
     batches = DataLoader(SceneBatches(args.seed + 1, args.encoder_batch, args.encoder_text_share), batch_size=None,
                          num_workers=args.workers, pin_memory=args.device != "cpu")  # fmt: skip
     for step, batch in zip(range(args.encoder_steps), batches):
@@ -198,7 +198,7 @@ def save_shipped(encoder: SlotEncoder, embeddings: torch.Tensor, lora: dict, out
 def record_stage(args, stage: str, start: float) -> None:
     """The stage's settings, device and minutes, for the shipped training.json (stages may run apart)."""
     cuda = args.device.startswith("cuda")
-    device = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
+    device = torch.cuda.get_device_name(args.device) if cuda else f"CPU, {torch.get_num_threads()} threads"
     record = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     record |= {"device": device, "minutes": round((time.perf_counter() - start) / 60, 1)}
     (args.work / f"{stage}.json").write_text(json.dumps(record, indent=2))

@@ -44,3 +44,14 @@ def test_the_shipped_side_is_the_tower_the_exported_projector_and_the_lora(tmp_p
     assert all(torch.equal(tensors[f"multi_modal_projector.{k}"], v.half()) for k, v in projector.items())
     shipped_lora = load_file(tmp_path / "lora.safetensors")
     assert all(torch.equal(shipped_lora[k], v.half()) for k, v in lora.items())
+
+
+def test_each_stage_records_its_settings_device_and_minutes(tmp_path):
+    import argparse
+    import time
+
+    args = argparse.Namespace(work=tmp_path, device="cpu", reader_steps=7, init_lora=tmp_path / "a.safetensors")
+    train.record_stage(args, "reader-continued", time.perf_counter() - 90)
+    record = json.loads((tmp_path / "reader-continued.json").read_text())
+    assert record["reader_steps"] == 7 and record["init_lora"] == str(tmp_path / "a.safetensors")
+    assert record["device"] == f"CPU, {torch.get_num_threads()} threads" and record["minutes"] == pytest.approx(1.5)
