@@ -251,11 +251,12 @@ def main() -> None:
         record_stage(args, "encoder", start)
         if args.stage == "encoder":
             return log(f"encoder done: {encoder_file}")
+    reader_start = time.perf_counter()  # a stage's minutes are its own, also under --stage all
     model, tokenizer = load_language_model(args.work, args.seed, args.device)
     if args.stage in ("all", "reader"):
         torch.manual_seed(args.seed)
         train_reader(model, tokenizer, args, random.Random(args.seed), log, checkpoint=lora_file)
-        record_stage(args, "reader-continued" if args.init_lora else "reader", start)
+        record_stage(args, "reader-continued" if args.init_lora else "reader", reader_start)
     if not (lora_file.is_file() and encoder_file.is_file()):
         log(f"stage {args.stage} done; the other stage's output is not in {args.work} yet")
         return
