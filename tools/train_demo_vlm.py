@@ -195,6 +195,12 @@ def save_shipped(encoder: SlotEncoder, embeddings: torch.Tensor, lora: dict, out
     (out / "vision_config.json").write_text(json.dumps(settings | LLAVA_SETTINGS, indent=2))
 
 
+# The records training.json collects, in order. A stage's new output makes the records after it stale: a fresh
+# reader's LoRA is not the one an earlier continued phase started from.
+STAGES = ("encoder", "reader", "reader-continued")
+STALE_AFTER = {"encoder": (), "reader": ("reader-continued",), "reader-continued": ()}
+
+
 def record_stage(args, stage: str, start: float) -> None:
     """The stage's settings, device and minutes, for the shipped training.json (stages may run apart)."""
     cuda = args.device.startswith("cuda")
@@ -202,6 +208,14 @@ def record_stage(args, stage: str, start: float) -> None:
     record = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     record |= {"device": device, "minutes": round((time.perf_counter() - start) / 60, 1)}
     (args.work / f"{stage}.json").write_text(json.dumps(record, indent=2))
+    for stale in STALE_AFTER[stage]:
+        (args.work / f"{stale}.json").unlink(missing_ok=True)
+
+
+def stage_records(work: Path) -> dict:
+    """The records of the stages that made the work folder's current outputs, in training order."""
+    files = [work / f"{stage}.json" for stage in STAGES]
+    return {path.stem: json.loads(path.read_text()) for path in files if path.is_file()}
 
 
 def main() -> None:
@@ -264,8 +278,7 @@ def main() -> None:
     encoder.load_state_dict(load_file(encoder_file))
     embeddings = model.model.get_input_embeddings().weight[list(slots.vocab_ids(tokenizer))].float().cpu()
     save_shipped(encoder.eval(), embeddings, load_file(lora_file), args.out, args.sharpen)
-    stages = {path.stem: json.loads(path.read_text()) for path in sorted(args.work.glob("*.json"))}
-    (args.out / "training.json").write_text(json.dumps(stages, indent=2))
+    (args.out / "training.json").write_text(json.dumps(stage_records(args.work), indent=2))
     log(f"done; vision side and LoRA written to {args.out}")
 
 

@@ -55,3 +55,18 @@ def test_each_stage_records_its_settings_device_and_minutes(tmp_path):
     record = json.loads((tmp_path / "reader-continued.json").read_text())
     assert record["reader_steps"] == 7 and record["init_lora"] == str(tmp_path / "a.safetensors")
     assert record["device"] == f"CPU, {torch.get_num_threads()} threads" and record["minutes"] == pytest.approx(1.5)
+
+
+def test_a_fresh_reader_makes_an_earlier_continued_phase_stale(tmp_path):
+    import argparse
+    import time
+
+    (tmp_path / "notes.json").write_text("{}")  # not a stage: never collected
+    args = argparse.Namespace(work=tmp_path, device="cpu", init_lora=None)
+    train.record_stage(args, "encoder", time.perf_counter())
+    train.record_stage(args, "reader", time.perf_counter())
+    train.record_stage(argparse.Namespace(**vars(args) | {"init_lora": "x"}), "reader-continued", time.perf_counter())
+    assert list(train.stage_records(tmp_path)) == ["encoder", "reader", "reader-continued"]
+
+    train.record_stage(args, "reader", time.perf_counter())  # a new reader run in the reused folder
+    assert list(train.stage_records(tmp_path)) == ["encoder", "reader"]
