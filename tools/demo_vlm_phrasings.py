@@ -1,0 +1,79 @@
+"""The question phrasings of the demo VLM's synthetic VQA (tools/demo_vlm_data), per question kind.
+
+``TEMPLATES[kind]`` holds at least 8 phrasings per kind, with the fields the question generator fills in
+(``{obj}``/``{Obj}``: an object's unique description; ``{things}``: what to count; ``{a}``, ``{rel}``, ``{b}``: a
+relation; ``{thing}``: "word" or "number"). ``HELD_OUT[kind]`` (about a quarter, at least 2, for ``relation``
+both a yes/no one and a which one) never occur in the ``"train"`` split and are the only phrasings of the
+``"eval"`` split, so the evaluation asks in words the model never saw.
+"""
+
+from __future__ import annotations
+
+TEMPLATES = {
+    "colour": [
+        "What colour is {obj}?", "What is the colour of {obj}?", "Which colour does {obj} have?",
+        "Tell me the colour of {obj}.", "{Obj} is what colour?", "What colour is {obj} in the image?",
+        "Name the colour of {obj}.", "Which colour is {obj}?", "What is {obj}'s colour?",
+        "Identify the colour of {obj}.", "In what colour is {obj} drawn?", "What colour has {obj} got?",
+    ],
+    "shape": [
+        "What shape is {obj}?", "What is the shape of {obj}?", "Which shape is {obj}?",
+        "Name the shape of {obj}.", "{Obj} has what shape?", "What kind of shape is {obj}?",
+        "Tell me the shape of {obj}.", "What shape does {obj} have?", "Which shape does {obj} have?",
+        "Identify the shape of {obj}.", "What is {obj} shaped like?", "What form does {obj} take?",
+    ],
+    "count": [
+        "How many {things} are there?", "How many {things} can you see?", "Count the {things}.",
+        "What is the number of {things}?", "How many {things} are in the image?", "Count the {things} in the picture.",
+        "Tell me how many {things} there are.", "How many {things} are shown?", "Give the number of {things}.",
+        "How many {things} do you see?", "How many {things} does the image contain?", "How many {things} are visible?",
+    ],
+    "position": [
+        "Where is {obj}?", "In which part of the image is {obj}?", "Is {obj} on the left, right, top or bottom?",
+        "Where in the picture is {obj} located?", "Which side of the image is {obj} on?", "Where can {obj} be found?",
+        "Tell me where {obj} is.", "What is the position of {obj}?", "Where is {obj} placed?",
+        "On which side is {obj}?", "Which region of the image contains {obj}?", "Where does {obj} appear?",
+    ],
+    "relation": [
+        "Is {a} {rel} {b}?", "Is it true that {a} is {rel} {b}?", "Is {a} located {rel} {b}?",
+        "Answer yes or no: is {a} {rel} {b}?", "Would you say {a} is {rel} {b}?", "Does {a} appear {rel} {b}?",
+        "Which shape is {rel} {b}?", "What shape is found {rel} {b}?", "Which object is {rel} {b}?",
+        "Name the shape {rel} {b}.", "Which shape lies {rel} {b}?", "Tell me which shape is {rel} {b}.",
+    ],
+    "reading": [
+        "What {thing} is written in the image?", "What {thing} is shown?", "Read the {thing} in the picture.",
+        "Which {thing} can you see?", "What is the {thing} in the image?", "Tell me the {thing} written here.",
+        "What does the {thing} in the image say?", "Which {thing} appears in the picture?",
+        "What {thing} do you see written?", "Read out the {thing} in the image.", "What is the written {thing}?",
+        "Which {thing} is printed in the image?",
+    ],
+    "describe": [
+        "Describe the image.", "What is in the image?", "List the objects from left to right.",
+        "What do you see?", "Describe the picture from left to right.", "What objects are shown, from left to right?",
+        "Give a short description of the image.", "What does the image contain?", "Describe what is shown.",
+        "List what you see, left to right.", "Caption this image.",
+        "Name everything in the picture from left to right.",
+    ],
+}  # fmt: skip
+HELD_OUT = {
+    "colour": ["Identify the colour of {obj}.", "In what colour is {obj} drawn?", "What colour has {obj} got?"],
+    "shape": ["Identify the shape of {obj}.", "What is {obj} shaped like?", "What form does {obj} take?"],
+    "count": ["How many {things} do you see?", "How many {things} does the image contain?",
+              "How many {things} are visible?"],
+    "position": ["On which side is {obj}?", "Which region of the image contains {obj}?", "Where does {obj} appear?"],
+    "relation": ["Would you say {a} is {rel} {b}?", "Does {a} appear {rel} {b}?", "Which shape lies {rel} {b}?",
+                 "Tell me which shape is {rel} {b}."],
+    "reading": ["What {thing} do you see written?", "Read out the {thing} in the image.",
+                "What is the written {thing}?", "Which {thing} is printed in the image?"],
+    "describe": ["Caption this image.", "Name everything in the picture from left to right.",
+                 "List what you see, left to right."],
+}  # fmt: skip
+
+
+def split_templates(kind: str, split: str) -> list[str]:
+    """The phrasings of a kind that a split may use: the held-out ones for "eval", the others for "train"."""
+    if split == "eval":
+        return list(HELD_OUT[kind])
+    if split == "train":
+        return [t for t in TEMPLATES[kind] if t not in HELD_OUT[kind]]
+    raise ValueError(f"unknown split {split!r}")
