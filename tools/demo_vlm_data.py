@@ -3,10 +3,11 @@
 A scene is one to five non-overlapping objects on a light background (plain or lightly noisy, one of a few
 light tints), drawn ``SUPERSAMPLE`` times larger and downscaled (anti-aliased), ``IMAGE_SIZE`` x ``IMAGE_SIZE``
 RGB. An object is a shape (``SHAPES``) in one of ``COLOURS``, ``small`` or ``large`` (a large shape's extent is
-at least ``MIN_SIZE_RATIO`` times a small one's), or, in about ``TEXT_PROB`` of the scenes, one short rendered
-word from ``WORDS`` or a number 0-99 in a dark colour instead of one of the shapes (at most one per scene,
-never the only object). Words and numbers are not shapes: they are never counted, compared or described as
-shapes.
+at least ``MIN_SIZE_RATIO`` times a small one's; in scenes of up to three objects, ``BIG_PROB`` of the large
+shapes are big, up to ``BIG_EXTENT[n]``: people draw a lone shape big, often in the middle), or, in about
+``TEXT_PROB`` of the scenes, one short rendered word from ``WORDS`` or a number 0-99 in a dark colour instead
+of one of the shapes (at most one per scene, never the only object). Words and numbers are not shapes: they
+are never counted, compared or described as shapes.
 
 Question kinds (``KINDS``), every answer a short lowercase string without final punctuation:
 
@@ -27,8 +28,10 @@ question never names the colour and a shape question never names the shape. Answ
 not unique.
 
 Geometry, all in fractions of the image size (y grows downwards). Position is the shape's centre relative to
-the image centre: the larger of |dx| and |dy| decides between left/right and top/bottom; every shape centre is
-at least ``POSITION_MARGIN`` away from the diagonals and ``MIN_OFFSET`` away from the centre. "A is left of B"
+the image centre: the larger of |dx| and |dy| decides between left/right and top/bottom. It is asked only where
+it is clear-cut (``position_clear``: the centre at least ``POSITION_MARGIN`` away from the diagonals and
+``MIN_OFFSET`` away from the image centre); shapes are placed there, except in ``FREE_PROB`` of the scenes and
+in scenes with a big shape, where they go anywhere they fit. "A is left of B"
 is "yes" when B.cx - A.cx >= ``RELATION_MIN`` and that horizontal gap is at least ``RELATION_RATIO`` times the
 vertical one, "no" when A.cx - B.cx >= ``RELATION_NO`` (A is clearly to the right), and not asked otherwise;
 the same for right of / above / below. "Which shape is above B?" is asked only when exactly one object is "yes"
@@ -88,6 +91,9 @@ COLOURS = {
     "pink": (245, 105, 185),
 }
 SIZES = {"small": (0.060, 0.075), "large": (0.120, 0.145)}  # extent (bounding-circle radius) ranges
+BIG_EXTENT = {1: 0.38, 2: 0.26, 3: 0.20}  # a big large shape's extent, up to this by the scene's object count
+BIG_PROB = 0.4
+FREE_PROB = 0.25  # scenes whose shapes are placed anywhere, positions not asked where ambiguous
 MIN_SIZE_RATIO = SIZES["large"][0] / SIZES["small"][1]  # 1.6
 WORDS = (
     "cat", "dog", "sun", "car", "tree", "book", "fish", "bird", "milk", "red", "blue", "home",
@@ -121,6 +127,12 @@ def position_of(cx: float, cy: float) -> str:
     if abs(dx) > abs(dy):
         return "right" if dx > 0 else "left"
     return "bottom" if dy > 0 else "top"
+
+
+def position_clear(cx: float, cy: float) -> bool:
+    """Whether ``position_of`` is clear-cut: the centre far enough from the diagonals and the image centre."""
+    dx, dy = abs(cx - 0.5), abs(cy - 0.5)
+    return abs(dx - dy) >= POSITION_MARGIN and max(dx, dy) >= MIN_OFFSET
 
 
 def relation(a: dict, b: dict, rel: str) -> str | None:
@@ -173,11 +185,10 @@ def _place_text(rng: random.Random, obj: dict, placed: list[dict]) -> bool:
     return False
 
 
-def _place_shape(rng: random.Random, obj: dict, placed: list[dict]) -> bool:
+def _place_shape(rng: random.Random, obj: dict, placed: list[dict], free: bool) -> bool:
     for _ in range(200):
         cx, cy = rng.uniform(0, 1), rng.uniform(0, 1)
-        dx, dy = abs(cx - 0.5), abs(cy - 0.5)
-        if abs(dx - dy) < POSITION_MARGIN or max(dx, dy) < MIN_OFFSET:
+        if not free and not position_clear(cx, cy):
             continue
         if _fits(cx, cy, obj["extent"], placed):
             obj["cx"], obj["cy"] = cx, cy
@@ -200,16 +211,21 @@ def _draw_scene(rng: random.Random, n: int | None, text: bool | None) -> dict:
                 word, text_kind = str(rng.randint(0, 99)), "number"
             objects.append({"text": word, "text_kind": text_kind, "font": rng.uniform(*TEXT_FONT),
                             "rgb": rng.choice(TEXT_COLOURS)})  # fmt: skip
+        big = False
         for _ in range(n - len(objects)):
             size = rng.choice(tuple(SIZES))
             colour = rng.choice(tuple(COLOURS))
             rgb = tuple(min(255, max(0, c + rng.randint(-10, 10))) for c in COLOURS[colour])
-            objects.append({"shape": rng.choice(SHAPES), "colour": colour, "size": size,
-                            "extent": rng.uniform(*SIZES[size]), "rgb": rgb})  # fmt: skip
+            extent = rng.uniform(*SIZES[size])
+            if size == "large" and n in BIG_EXTENT and rng.random() < BIG_PROB:
+                extent, big = rng.uniform(SIZES["large"][1], BIG_EXTENT[n]), True
+            objects.append({"shape": rng.choice(SHAPES), "colour": colour, "size": size, "extent": extent,
+                            "rgb": rgb})  # fmt: skip
+        free = big or rng.random() < FREE_PROB
         placed: list[dict] = []
         # the text and large shapes first: they are the hardest to fit
         for obj in sorted(objects, key=lambda o: ("shape" in o, -o.get("extent", 1.0))):
-            ok = _place_text(rng, obj, placed) if "text" in obj else _place_shape(rng, obj, placed)
+            ok = _place_text(rng, obj, placed) if "text" in obj else _place_shape(rng, obj, placed, free)
             if not ok:
                 break
             placed.append(obj)
@@ -371,7 +387,7 @@ def questions(scene: dict, rng: random.Random, split: str = "train") -> list[tup
         ask("count", NUMBER_WORDS[count], things=things)
 
     for s in shapes:
-        if refs := references(s, shapes):
+        if position_clear(s["cx"], s["cy"]) and (refs := references(s, shapes)):
             ask("position", position_of(s["cx"], s["cy"]), obj=rng.choice(refs))
 
     yes_no = [t for t in tpl["relation"] if "{a}" in t]

@@ -164,7 +164,7 @@ def test_layout_split_of_make_scene():
 def test_objects_do_not_overlap_and_are_well_placed():
     rng = random.Random(7)
     smalls, larges = [], []
-    n_text = 0
+    n_text = ambiguous = 0
     for _ in range(150):
         objects = d.make_scene(rng)["objects"]
         assert 1 <= len(objects) <= 5
@@ -179,8 +179,11 @@ def test_objects_do_not_overlap_and_are_well_placed():
                 continue
             (smalls if o["size"] == "small" else larges).append(o["extent"])
             dx, dy = abs(o["cx"] - 0.5), abs(o["cy"] - 0.5)
-            assert abs(dx - dy) >= 0.05 and max(dx, dy) >= 0.15  # position never ambiguous
-    assert min(larges) >= 1.59 * max(smalls)
+            ambiguous += abs(dx - dy) < 0.05 or max(dx, dy) < 0.15
+            if o["extent"] > 0.2:  # big: only in scenes of one or two objects
+                assert len(objects) <= 2
+    assert min(larges) >= 1.59 * max(smalls) and max(larges) <= 0.38
+    assert sum(e > 0.2 for e in larges) >= 5 and ambiguous >= 5  # people draw big shapes, also in the middle
     assert 0.2 < n_text / 150 < 0.5
 
 
@@ -232,6 +235,13 @@ def test_hand_built_two_object_scene():
         assert answers["yes"] == answers["no"] == 2
 
 
+def test_a_big_shape_in_the_middle_is_asked_about_but_not_where_it_is():
+    scene = _scene([_shape("circle", "red", "large", cx=0.52, cy=0.47, extent=0.35)])
+    qas = _all_questions(scene)
+    assert {k for k, _, _ in qas} == {"colour", "shape", "count", "describe"}
+    assert ("describe", "a large red circle") in {(k, a) for k, _, a in qas}
+
+
 def test_hand_built_scene_references_are_unique():
     shapes = [
         _shape("circle", "red", "small", cx=0.15, cy=0.40),
@@ -277,6 +287,8 @@ def test_random_scene_answers_from_first_principles():
                 (obj,) = _referent(_obj(m), shapes)
                 dx, dy = obj["cx"] - 0.5, obj["cy"] - 0.5
                 side = ("right" if dx > 0 else "left") if abs(dx) > abs(dy) else ("bottom" if dy > 0 else "top")
+                if kind == "position":  # asked only where clear-cut: away from the diagonals and the centre
+                    assert abs(abs(dx) - abs(dy)) >= 0.05 and max(abs(dx), abs(dy)) >= 0.15, question
                 assert answer == {"colour": obj["colour"], "shape": obj["shape"], "position": side}[kind]
             elif kind == "count":
                 words = m["things"].split()
