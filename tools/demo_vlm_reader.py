@@ -106,11 +106,12 @@ def reader_loss(model, batch: dict[str, torch.Tensor], noise: float = 0.0) -> to
 KIND_WEIGHTS = {"relation": 3.0, "count": 2.0}  # the rest 1: the reader learns the one-attribute kinds first
 
 
-def sample_conversation(rng: random.Random, turns: int, chats: list[tuple[str, str]], chat_share: float):
-    """A training scene and up to `turns` distinct questions about it, each turn's kind drawn by
-    ``KIND_WEIGHTS`` among the kinds with questions left (per kind, not per question: a scene allows many more
-    relation and count questions than the others); in `chat_share` of them a last, text-only turn from
-    `chats` (prompt, SmolLM2's answer)."""
+def sample_conversation(rng: random.Random, turns: int, chats: list[tuple[str, str]], chat_share: float,
+                        kind_weights: dict[str, float] = KIND_WEIGHTS):  # fmt: skip
+    """A training scene and up to `turns` distinct questions about it, each turn's kind drawn by `kind_weights`
+    (default ``KIND_WEIGHTS``) among the kinds with questions left (per kind, not per question: a scene allows
+    many more relation and count questions than the others); in `chat_share` of them a last, text-only turn
+    from `chats` (prompt, SmolLM2's answer)."""
     scene = data.make_scene(rng, "train")
     by_kind: dict[str, list] = defaultdict(list)
     for qa in data.questions(scene, rng, "train"):
@@ -118,7 +119,7 @@ def sample_conversation(rng: random.Random, turns: int, chats: list[tuple[str, s
     qas = []
     while len(qas) < turns and by_kind:
         kinds = sorted(by_kind)
-        kind = rng.choices(kinds, weights=[KIND_WEIGHTS.get(k, 1.0) for k in kinds])[0]
+        kind = rng.choices(kinds, weights=[kind_weights.get(k, 1.0) for k in kinds])[0]
         qas.append(by_kind[kind].pop(rng.randrange(len(by_kind[kind]))))
         if not by_kind[kind]:
             del by_kind[kind]

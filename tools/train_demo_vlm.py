@@ -23,13 +23,21 @@ scenes are drawn in ``--workers`` data-loader processes. Evaluate the result wit
 ``python -m tools.eval_demo_model --vision-dir OUT``.
 
 The shipped side (tessera/demo_vlm/training.json records each stage's settings, device and minutes) was made
-by the defaults' two stages at once on one H100 (encoder 10 min, reader 14 min), then a second reader phase on
-2 CPU cores (9 min) that continues from the first's LoRA with SmolLM2's text answers weighed up; a reader
-stage writes the shipped side once the work folder holds both stages' outputs:
+by the defaults' two stages at once on one H100 (encoder 10 min, reader 14 min), then second phases on 2 CPU
+cores that continue from the first's outputs: a reader phase with SmolLM2's text answers weighed up (9 min),
+an encoder phase on scenes with big shapes placed anywhere (22 min; the data drew those only after the GPU
+stages ran) and a reader phase on more above/below relations (15 min). A reader stage writes the
+shipped side once the work folder holds both stages' outputs; ``--stage export`` writes it from the folder:
 
     python -m tools.train_demo_vlm --stage encoder & python -m tools.train_demo_vlm --stage reader; wait
-    python -m tools.train_demo_vlm --stage reader --init-lora /tmp/tessera-demo-vlm-train/reader_lora.safetensors \\
+    W=/tmp/tessera-demo-vlm-train
+    python -m tools.train_demo_vlm --stage reader --init-lora $W/reader_lora.safetensors \\
         --device cpu --reader-steps 60 --batch 8 --text-batch 12 --distill-weight 8 --reader-lr 5e-4
+    python -m tools.train_demo_vlm --stage encoder --init-encoder $W/encoder.safetensors --seed 1 \\
+        --device cpu --encoder-steps 2000 --encoder-lr 3e-4 --encoder-eval-every 500
+    python -m tools.train_demo_vlm --stage reader --init-lora $W/reader_lora.safetensors --seed 3 \\
+        --device cpu --reader-steps 100 --batch 8 --text-batch 12 --distill-weight 8 --reader-lr 3e-4 \\
+        --kind-weights relation=8,count=2,describe=2 --eval-every 50
 
 Usage: python -m tools.train_demo_vlm [--out tessera/demo_vlm] [--stage all|encoder|reader|export] [--seed 0]
 """
@@ -69,7 +77,14 @@ from tools.demo_vlm_lora import (
     text_agreement,
     text_batch,
 )
-from tools.demo_vlm_reader import collate, evaluate_reader, reader_conversation, reader_loss, sample_conversation
+from tools.demo_vlm_reader import (
+    KIND_WEIGHTS,
+    collate,
+    evaluate_reader,
+    reader_conversation,
+    reader_loss,
+    sample_conversation,
+)
 
 VISION = dict(image_size=data.IMAGE_SIZE, patch_size=16, hidden_size=256, intermediate_size=1024,
               num_hidden_layers=8, num_attention_heads=4)  # fmt: skip
@@ -130,7 +145,8 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
     optimizer = torch.optim.AdamW(params, lr=args.reader_lr, weight_decay=0.0)
     eval_scenes = data.make_eval_scenes(10, seed=args.seed + 1000)
     for step in range(args.reader_steps):
-        items = [reader_conversation(tokenizer, *sample_conversation(rng, args.turns, chats, args.chat_share))
+        items = [reader_conversation(tokenizer, *sample_conversation(rng, args.turns, chats, args.chat_share,
+                                                                     args.kind_weights))
                  for _ in range(args.batch)]  # fmt: skip
         loss = reader_loss(model, collate(items, tokenizer.pad_token_id), noise=args.slot_noise)
         picks = rng.sample(range(len(prompts)), args.text_batch)
@@ -152,7 +168,10 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
 def train_encoder(args, log, checkpoint: Path) -> SlotEncoder:
     """Stage 2: the ViT that writes a scene's slot tokens into its image positions (saved to `checkpoint` at
     every evaluation)."""
-    encoder = SlotEncoder.from_config(VISION).to(args.device)
+    encoder = SlotEncoder.from_config(VISION)
+    if args.init_encoder:  # a second phase: continue from an earlier run's encoder
+        encoder.load_state_dict(load_file(args.init_encoder))
+    encoder = encoder.to(args.device)
     optimizer = torch.optim.AdamW(encoder.parameters(), lr=args.encoder_lr, weight_decay=0.01)
     eval_rng = random.Random(args.seed + 2000)
     eval_scenes = [data.make_scene(eval_rng, "eval") for _ in range(200)]
@@ -195,10 +214,22 @@ def save_shipped(encoder: SlotEncoder, embeddings: torch.Tensor, lora: dict, out
     (out / "vision_config.json").write_text(json.dumps(settings | LLAVA_SETTINGS, indent=2))
 
 
-# The records training.json collects, in order. A stage's new output makes the records after it stale: a fresh
-# reader's LoRA is not the one an earlier continued phase started from.
-STAGES = ("encoder", "reader", "reader-continued")
-STALE_AFTER = {"encoder": (), "reader": ("reader-continued",), "reader-continued": ()}
+# The records training.json collects, in order. A stage's new output makes its continued phase's record stale:
+# a fresh reader's LoRA (or encoder) is not the one an earlier second phase started from.
+STAGES = ("encoder", "encoder-continued", "reader", "reader-continued")
+STALE_AFTER = {"encoder": ("encoder-continued",), "encoder-continued": (), "reader": ("reader-continued",),
+               "reader-continued": ()}  # fmt: skip
+
+
+def kind_weights(text: str) -> dict[str, float]:
+    """'relation=3,count=2' -> {"relation": 3.0, "count": 2.0}: the reader's question kind weights."""
+    weights = {}
+    for part in filter(None, text.split(",")):
+        kind, _, weight = part.partition("=")
+        if kind.strip() not in data.KINDS:
+            raise argparse.ArgumentTypeError(f"unknown question kind {kind.strip()!r}; kinds: {', '.join(data.KINDS)}")
+        weights[kind.strip()] = float(weight)
+    return weights
 
 
 def record_stage(args, stage: str, start: float) -> None:
@@ -207,7 +238,11 @@ def record_stage(args, stage: str, start: float) -> None:
     device = torch.cuda.get_device_name(args.device) if cuda else f"CPU, {torch.get_num_threads()} threads"
     record = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     record |= {"device": device, "minutes": round((time.perf_counter() - start) / 60, 1)}
-    (args.work / f"{stage}.json").write_text(json.dumps(record, indent=2))
+    path = args.work / f"{stage}.json"
+    if stage.endswith("-continued"):  # phases may follow each other: each one's record is kept, in order
+        earlier = json.loads(path.read_text()) if path.is_file() else []
+        record = [*(earlier if isinstance(earlier, list) else [earlier]), record]
+    path.write_text(json.dumps(record, indent=2))
     for stale in STALE_AFTER[stage]:
         (args.work / f"{stale}.json").unlink(missing_ok=True)
 
@@ -232,12 +267,19 @@ def main() -> None:
     parser.add_argument("--encoder-steps", type=int, default=12000)
     parser.add_argument("--batch", type=int, default=16, help="reader: conversations per step")
     parser.add_argument("--turns", type=int, default=6, help="reader: question/answer turns per conversation")
+    parser.add_argument(
+        "--kind-weights",
+        type=kind_weights,
+        default=dict(KIND_WEIGHTS),
+        help="reader: how often each question kind is drawn, e.g. relation=3,count=2 (the rest 1)",
+    )
     parser.add_argument("--chat-share", type=float, default=0.3, help="reader: conversations ending in a chat")
     parser.add_argument("--text-batch", type=int, default=4, help="reader: text-only chats per step (distillation)")
     parser.add_argument("--distill-weight", type=float, default=2.0)
     parser.add_argument("--slot-noise", type=float, default=0.1, help="reader: noise on the slot embeddings")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--init-lora", type=Path, help="reader: start from this saved LoRA (a second phase)")
+    parser.add_argument("--init-encoder", type=Path, help="encoder: start from this saved encoder (a second phase)")
     parser.add_argument("--reader-lr", type=float, default=1.5e-3)
     parser.add_argument("--encoder-batch", type=int, default=64)
     parser.add_argument("--encoder-lr", type=float, default=1e-3)
@@ -262,7 +304,7 @@ def main() -> None:
     if args.stage in ("all", "encoder"):
         torch.manual_seed(args.seed + 1)
         train_encoder(args, log, checkpoint=encoder_file)
-        record_stage(args, "encoder", start)
+        record_stage(args, "encoder-continued" if args.init_encoder else "encoder", start)
         if args.stage == "encoder":
             return log(f"encoder done: {encoder_file}")
     reader_start = time.perf_counter()  # a stage's minutes are its own, also under --stage all

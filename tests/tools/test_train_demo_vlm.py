@@ -52,7 +52,7 @@ def test_each_stage_records_its_settings_device_and_minutes(tmp_path):
 
     args = argparse.Namespace(work=tmp_path, device="cpu", reader_steps=7, init_lora=tmp_path / "a.safetensors")
     train.record_stage(args, "reader-continued", time.perf_counter() - 90)
-    record = json.loads((tmp_path / "reader-continued.json").read_text())
+    (record,) = json.loads((tmp_path / "reader-continued.json").read_text())
     assert record["reader_steps"] == 7 and record["init_lora"] == str(tmp_path / "a.safetensors")
     assert record["device"] == f"CPU, {torch.get_num_threads()} threads" and record["minutes"] == pytest.approx(1.5)
 
@@ -63,10 +63,21 @@ def test_a_fresh_reader_makes_an_earlier_continued_phase_stale(tmp_path):
 
     (tmp_path / "notes.json").write_text("{}")  # not a stage: never collected
     args = argparse.Namespace(work=tmp_path, device="cpu", init_lora=None)
-    train.record_stage(args, "encoder", time.perf_counter())
-    train.record_stage(args, "reader", time.perf_counter())
-    train.record_stage(argparse.Namespace(**vars(args) | {"init_lora": "x"}), "reader-continued", time.perf_counter())
-    assert list(train.stage_records(tmp_path)) == ["encoder", "reader", "reader-continued"]
+    for stage in ("reader", "reader-continued", "encoder", "encoder-continued"):
+        train.record_stage(args, stage, time.perf_counter())
+    assert list(train.stage_records(tmp_path)) == ["encoder", "encoder-continued", "reader", "reader-continued"]
 
     train.record_stage(args, "reader", time.perf_counter())  # a new reader run in the reused folder
+    assert list(train.stage_records(tmp_path)) == ["encoder", "encoder-continued", "reader"]
+    train.record_stage(args, "encoder", time.perf_counter())
     assert list(train.stage_records(tmp_path)) == ["encoder", "reader"]
+
+
+def test_each_continued_phase_keeps_its_own_record(tmp_path):
+    import argparse
+    import time
+
+    for steps in (60, 100):
+        args = argparse.Namespace(work=tmp_path, device="cpu", reader_steps=steps, init_lora="lora.safetensors")
+        train.record_stage(args, "reader-continued", time.perf_counter())
+    assert [r["reader_steps"] for r in train.stage_records(tmp_path)["reader-continued"]] == [60, 100]
