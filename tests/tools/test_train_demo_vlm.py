@@ -81,3 +81,11 @@ def test_each_continued_phase_keeps_its_own_record(tmp_path):
         args = argparse.Namespace(work=tmp_path, device="cpu", reader_steps=steps, init_lora="lora.safetensors")
         train.record_stage(args, "reader-continued", time.perf_counter())
     assert [r["reader_steps"] for r in train.stage_records(tmp_path)["reader-continued"]] == [60, 100]
+
+
+def test_kind_weights_parse_and_name_an_unknown_kind():
+    import argparse
+
+    assert train.kind_weights("relation=8,count=2") == {"relation": 8.0, "count": 2.0}
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown question kind 'colours'"):
+        train.kind_weights("colours=2")
