@@ -62,6 +62,26 @@ def test_generate_describes_the_example_image(folder):
     assert out.getvalue() == example_caption("three_shapes.png") + "\n"
 
 
+def test_shapes_drawn_by_hand_big_and_in_the_middle(demo_llm):
+    """What a new user draws first: one big shape in the middle, or two of them, with plain PIL (not the training
+    generator), asked in their own words. Expected answers follow from the drawing."""
+    from PIL import Image, ImageDraw
+
+    lone = Image.new("RGB", (256, 256), "white")
+    ImageDraw.Draw(lone).ellipse((50, 45, 210, 205), fill=(220, 20, 20))  # a red circle, 62% of the width
+    pair = Image.new("RGB", (320, 320), "white")
+    draw = ImageDraw.Draw(pair)
+    draw.rectangle((25, 110, 115, 200), fill=(20, 160, 40))  # a green square on the left
+    draw.polygon([(230, 70), (300, 230), (160, 230)], fill=(250, 210, 0))  # a big yellow triangle on the right
+    cases = [(lone, "Describe the image.", "a large red circle"), (lone, "What colour is the circle?", "red"),
+             (lone, "How many shapes are there?", "one"), (pair, "What shape is the yellow one?", "triangle"),
+             (pair, "What color is the square?", "green"), (pair, "How many shapes are there?", "two")]  # fmt: skip
+    chats = [[{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": q}]}]
+             for image, q, _ in cases]  # fmt: skip
+    answers = [o.outputs[0].text.lower().rstrip(".") for o in demo_llm.chat(chats, GREEDY, use_tqdm=False)]
+    assert answers == [expected for _, _, expected in cases]
+
+
 def test_text_only_answers_are_not_worse_than_smollm2s(demo_llm):
     """The LoRA changes SmolLM2's weights, so its greedy text can differ; what it knows must not get worse:
     general-knowledge questions never in training, scored by the words a right answer contains."""
