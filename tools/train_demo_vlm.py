@@ -214,11 +214,8 @@ def save_shipped(encoder: SlotEncoder, embeddings: torch.Tensor, lora: dict, out
     (out / "vision_config.json").write_text(json.dumps(settings | LLAVA_SETTINGS, indent=2))
 
 
-# The records training.json collects, in order. A stage's new output makes its continued phase's record stale:
-# a fresh reader's LoRA (or encoder) is not the one an earlier second phase started from.
+# The records training.json collects, in order.
 STAGES = ("encoder", "encoder-continued", "reader", "reader-continued")
-STALE_AFTER = {"encoder": ("encoder-continued",), "encoder-continued": (), "reader": ("reader-continued",),
-               "reader-continued": ()}  # fmt: skip
 
 
 def kind_weights(text: str) -> dict[str, float]:
@@ -243,8 +240,8 @@ def record_stage(args, stage: str, start: float) -> None:
         earlier = json.loads(path.read_text()) if path.is_file() else []
         record = [*(earlier if isinstance(earlier, list) else [earlier]), record]
     path.write_text(json.dumps(record, indent=2))
-    for stale in STALE_AFTER[stage]:
-        (args.work / f"{stale}.json").unlink(missing_ok=True)
+    if not stage.endswith("-continued"):  # a fresh output is not the one an earlier second phase started from
+        (args.work / f"{stage}-continued.json").unlink(missing_ok=True)
 
 
 def stage_records(work: Path) -> dict:
