@@ -66,9 +66,9 @@ class MultiModalConfig:
 
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the HF processor, applied to every request (a request's own
-    mm_processor_kwargs override them key by key). Each goes to the processor's constructor or to
-    its call, whichever takes it (e.g. LLaVA's ``vision_feature_select_strategy`` / ``do_normalize``);
-    keys neither takes are dropped with a warning."""
+    mm_processor_kwargs override them key by key). Each goes to the processor's constructor, its
+    call, or both, as vLLM passes them (e.g. LLaVA's ``vision_feature_select_strategy``, Qwen-VL's
+    ``max_pixels``); a key no part of the processor takes is refused at start-up, naming the options."""
 
     mm_processor_cache_gb: float = 1.0
     """Size of the processor-output cache in GiB; 0 disables it."""

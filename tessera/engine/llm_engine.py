@@ -67,6 +67,7 @@ class LLMEngine:
 
         max_item = 0
         if self.processor is not None:
+            self.processor.check_mm_kwargs()  # the model's mm_processor_kwargs, refused here if misspelt
             max_item = max(MultiModalProfiler(self.processor).get_mm_max_tokens_per_item(self.max_model_len).values())
         self.encoder_budget = max(
             scheduler_config.max_num_encoder_input_tokens or scheduler_config.max_num_batched_tokens, max_item

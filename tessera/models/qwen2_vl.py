@@ -51,15 +51,13 @@ class Qwen2VLProcessingInfo(BaseProcessingInfo):
         return {"image": None, "video": None}
 
     def _pixel_bounds(self, sub_processor: Any) -> tuple[int, int]:
-        """(min_pixels, max_pixels) an image or video processor resizes to: the model's
-        mm_processor_kwargs first (`min_pixels` / `max_pixels` / `size` reach HF's processors at call
-        time, so the processor object does not show them), then the processor's own size."""
-        kwargs = self.ctx.get_merged_mm_kwargs({})
-        size = kwargs.get("size") or getattr(sub_processor, "size", None) or {}
+        """(min_pixels, max_pixels) an image or video processor resizes to, as HF's call takes them: the
+        model's mm_processor_kwargs `min_pixels` / `max_pixels` over their `size`, over the processor's own
+        size (flat keys also built the processor; keys under ``images_kwargs`` / ``videos_kwargs`` did not)."""
+        settings = self.ctx.get_call_settings(("min_pixels", "max_pixels", "size"), {})
+        size = settings["size"] or getattr(sub_processor, "size", None) or {}
         get = size.get if isinstance(size, Mapping) else lambda key: getattr(size, key, None)
-        min_pixels = kwargs.get("min_pixels") or get("shortest_edge") or getattr(sub_processor, "min_pixels", None)
-        max_pixels = kwargs.get("max_pixels") or get("longest_edge") or getattr(sub_processor, "max_pixels", None)
-        return min_pixels, max_pixels
+        return settings["min_pixels"] or get("shortest_edge"), settings["max_pixels"] or get("longest_edge")
 
     def _resize_params(self) -> tuple[int, int, int, int]:
         """(patch_size, merge_size, min_pixels, max_pixels) of the image processor."""

@@ -20,6 +20,7 @@ from .hf_compat import tokenize_text_only
 from .inputs import MultiModalDataDict, MultiModalFieldConfig, MultiModalInputs, MultiModalKwargs, MultiModalUUIDDict
 from .parse import EmbeddingItems, MultiModalDataItems, MultiModalDataParser
 from .placeholders import place_items
+from .processor_options import check_mm_kwargs, check_request_magnitudes
 from .prompt_matching import ResolvedUpdates, resolve_updates
 from .prompt_updates import (  # noqa: F401  (re-exported: model files import them from here)
     PromptIndex,
@@ -154,6 +155,7 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
         (per modality, a list aligned with the items, None for "hash the content"; a string for a
         single item): a named item is cached under its name, so the caller promises that one name
         always means the same content."""
+        self.check_mm_kwargs(hf_processor_mm_kwargs)
         mm_items = self._to_mm_items(mm_data)
         mm_hashes = self._hash_mm_items(mm_items, hf_processor_mm_kwargs, mm_uuids=mm_uuids)
         if self.cache is None:
@@ -174,6 +176,16 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
             mm_hashes=mm_hashes,
             mm_placeholders=placeholders,
         )
+
+    def check_mm_kwargs(self, hf_processor_mm_kwargs: Mapping[str, object] = {}) -> None:
+        """Refuse (ValueError) mm_processor_kwargs, the model's merged with `hf_processor_mm_kwargs` (a
+        request's), that no part of the model's processor takes, naming them and the options it does
+        take; and a request's numbers that ask for images over 8192 pixels a side (processor_options.py)."""
+        merged = self.info.ctx.get_merged_mm_kwargs(hf_processor_mm_kwargs)
+        if merged:
+            hf_processor = self.info.get_hf_processor()
+            check_mm_kwargs(hf_processor, merged)
+            check_request_magnitudes(hf_processor, hf_processor_mm_kwargs)
 
     def _to_mm_items(self, mm_data: MultiModalDataDict) -> MultiModalDataItems:
         mm_items = self.data_parser.parse_mm_data(mm_data)

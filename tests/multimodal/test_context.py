@@ -64,7 +64,7 @@ def test_config_kwargs_reach_the_constructor_as_from_pretrained_takes_them(tiny_
     assert torch.equal(ours["pixel_values"], hf["pixel_values"])
 
 
-def test_constructor_keys_go_to_the_constructor_and_call_keys_to_the_call(tiny_llava_dir, image, monkeypatch):
+def test_a_key_both_take_goes_to_both_as_vllm(tiny_llava_dir, image, monkeypatch):
     loads = []
     original = context_module.AutoProcessor.from_pretrained
 
@@ -73,12 +73,14 @@ def test_constructor_keys_go_to_the_constructor_and_call_keys_to_the_call(tiny_l
         return original(*args, **kwargs)
 
     monkeypatch.setattr(context_module.AutoProcessor, "from_pretrained", recording)
-    config = {"vision_feature_select_strategy": "full", "do_normalize": False}
+    config = {"vision_feature_select_strategy": "full", "do_normalize": False, "padding": False}
     processor, ours = call(context(tiny_llava_dir, **config), image)
-    # vision_feature_select_strategy: only LlavaProcessor's __init__ names it; do_normalize is a call option
-    assert loads == [{}, {"vision_feature_select_strategy": "full"}]
+    # vision_feature_select_strategy: only LlavaProcessor's __init__ names it; do_normalize: the image processor's
+    # __init__ and the call both take it (vLLM passes it to both); padding: a call (text) option only
+    assert loads == [{}, {"vision_feature_select_strategy": "full", "do_normalize": False}]
     assert processor.vision_feature_select_strategy == "full"
-    assert processor.image_processor.do_normalize is True  # not set on the instance: given at the call
+    assert processor.image_processor.do_normalize is False
+    assert split_mm_kwargs(processor, config).call == {"do_normalize": False, "padding": False}
     monkeypatch.undo()
     hf_processor = AutoProcessor.from_pretrained(tiny_llava_dir, vision_feature_select_strategy="full")
     hf = hf_processor(text=PROMPT, images=image, do_normalize=False, return_tensors="pt")
@@ -121,31 +123,36 @@ def test_fuyu_patch_size_from_the_config_changes_the_layout_as_hf(tiny_fuyu_dir,
 # ---- what nothing takes ------------------------------------------------------------------------------
 
 
-def test_unknown_keys_are_dropped_with_one_warning_per_key_set(tiny_llava_dir, image, caplog):
-    ctx = context(tiny_llava_dir, not_an_option=1)
-    _, plain = call(context(tiny_llava_dir), image)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        for request_kwargs in ({"bogus": 2}, {"bogus": 3}, {}, {}, {"bogus": 2, "do_normalize": True}):
-            _, out = call(ctx, image, request_kwargs)
-            assert out["input_ids"].tolist() == plain["input_ids"].tolist()
-            assert torch.equal(out["pixel_values"], plain["pixel_values"])
-    warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-    assert len(warnings) == 2  # {bogus, not_an_option} once, {not_an_option} once
-    assert "['bogus', 'not_an_option']" in warnings[0] and "LlavaProcessor" in warnings[0]
-    assert "['not_an_option']" in warnings[1]
+def test_unknown_keys_are_refused_naming_them_and_the_options(tiny_llava_dir, image):
+    processor = make(tiny_llava_dir, mm_processor_cache_gb=0)
+    plain = processor.apply(PROMPT, {"image": image})
+    for request_kwargs in ({"bogus": 2}, {"do_normalise": False, "do_resize": True}, {"text": "x"}, {"return_tensors": "np"}):
+        with pytest.raises(ValueError, match="not an option") as error:
+            processor.apply(PROMPT, {"image": image}, request_kwargs)
+        message = str(error.value)
+        bad = next(k for k in request_kwargs if k != "do_resize")
+        assert repr(bad) in message and "LlavaProcessor" in message
+        assert "do_normalize" in message and "vision_feature_select_strategy" in message  # what it takes
+    with pytest.raises(ValueError, match="did you mean 'do_normalize'"):
+        processor.apply(PROMPT, {"image": image}, {"do_normalise": False})
+    # a refused request leaves nothing behind: the next one is processed as before
+    assert processor.apply(PROMPT, {"image": image})["prompt_token_ids"] == plain["prompt_token_ids"]
+    misconfigured = make(tiny_llava_dir, mm_processor_kwargs={"not_an_option": 1})
+    with pytest.raises(ValueError, match=r"\['not_an_option'\] is not an option"):
+        misconfigured.check_mm_kwargs()
+    with pytest.raises(ValueError, match="'not_an_option'"):
+        misconfigured.apply(PROMPT, {"image": image})
 
 
-def test_the_inputs_own_names_and_return_tensors_are_not_options(tiny_llava_dir, image, caplog):
-    """They used to reach the call and crash it ("got multiple values"); now they are dropped."""
+def test_the_inputs_own_names_and_return_tensors_never_reach_the_call(tiny_llava_dir, image):
+    """They used to crash the call ("got multiple values"); a model's own call leaves them out."""
     _, plain = call(context(tiny_llava_dir), image)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        _, out = call(context(tiny_llava_dir), image, {"text": "other", "images": [], "return_tensors": "np"})
+    _, out = call(context(tiny_llava_dir), image, {"text": "other", "images": [], "return_tensors": "np"})
     assert isinstance(out["input_ids"], torch.Tensor)
     assert out["input_ids"].tolist() == plain["input_ids"].tolist()
-    assert "['images', 'return_tensors', 'text']" in caplog.text
 
 
-def test_a_processor_with_a_strict_signature_gets_only_what_it_names(tiny_llava_dir, caplog):
+def test_a_processor_with_a_strict_signature_gets_only_what_it_names(tiny_llava_dir):
     """A custom processor without **kwargs would raise TypeError on an extra key."""
     seen = {}
 
@@ -158,13 +165,10 @@ def test_a_processor_with_a_strict_signature_gets_only_what_it_names(tiny_llava_
         return BatchFeature({"input_ids": torch.tensor([[1]])})
 
     ctx = context(tiny_llava_dir)
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        ctx.call_hf_processor(strict, {"text": "hi"}, {"scale": 3, "colour": "red"})
-        assert seen == {"text": "hi", "scale": 3}
-        assert "['colour']" in caplog.text and "strict" in caplog.text
-        caplog.clear()
-        ctx.call_hf_processor(loose, {"text": "hi"}, {"colour": "red"})
-    assert seen["colour"] == "red" and not caplog.records  # **kwargs takes anything, as in vLLM
+    ctx.call_hf_processor(strict, {"text": "hi"}, {"scale": 3, "colour": "red"})
+    assert seen == {"text": "hi", "scale": 3}
+    ctx.call_hf_processor(loose, {"text": "hi"}, {"colour": "red"})
+    assert seen["colour"] == "red"  # **kwargs takes anything, as in vLLM
 
 
 def test_the_split_of_llava_kwargs(tiny_llava_dir):
@@ -173,20 +177,20 @@ def test_the_split_of_llava_kwargs(tiny_llava_dir):
         processor,
         {"patch_size": 8, "do_resize": True, "images_kwargs": {}, "padding": True, "tokenizer": 1, "size_x": 2},
     )
-    assert split.constructor == {"patch_size": 8}
+    assert split.constructor == {"patch_size": 8, "do_resize": True}  # LlavaProcessor's, CLIPImageProcessor's
     assert split.call == {"do_resize": True, "images_kwargs": {}, "padding": True}
     assert sorted(split.dropped) == ["size_x", "tokenizer"]
 
 
 def test_keys_a_processor_class_defaults_at_call_time_go_to_the_call(tmp_path):
     # Gemma3Processor's class attribute images_kwargs = {"do_pan_and_scan": False, ...} overrides at call time
-    # what its image processor was constructed with: passed to the constructor, the option would be ignored.
+    # what its image processor was constructed with: given to the constructor alone, the option would be ignored.
     from tessera.testing.gemma3 import build_tiny_gemma3
 
     processor = AutoProcessor.from_pretrained(build_tiny_gemma3(tmp_path / "gemma3"))
     assert processor.images_kwargs["do_pan_and_scan"] is False  # the class default this is about
     split = split_mm_kwargs(processor, {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 2})
-    assert split.call == {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 2} and not split.constructor
+    assert split.call == {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 2}  # (the constructor's too, as vLLM)
 
 
 def test_call_settings_layer_the_class_defaults_and_the_kwargs(tmp_path):
@@ -233,11 +237,11 @@ def test_processors_are_cached_per_constructor_kwargs(tiny_llava_dir, monkeypatc
     monkeypatch.setattr(context_module, "MAX_CACHED_PROCESSORS", 2)
     ctx = context(tiny_llava_dir)
     base = ctx.get_hf_processor()
-    assert ctx.get_hf_processor(do_normalize=False) is base  # a call option: no new instance
+    assert ctx.get_hf_processor(padding=True) is base  # a call option only: no new instance
     assert ctx.get_hf_processor(bogus=1) is base
     full = ctx.get_hf_processor(vision_feature_select_strategy="full")
     assert full is not base and full.vision_feature_select_strategy == "full"
-    assert ctx.get_hf_processor(vision_feature_select_strategy="full", do_normalize=True) is full
+    assert ctx.get_hf_processor(vision_feature_select_strategy="full", padding=True) is full
     both = ctx.get_hf_processor(patch_size=4, vision_feature_select_strategy="full")
     assert ctx.get_hf_processor(vision_feature_select_strategy="full", patch_size=4) is both  # order-blind
     assert len(loads) == 3  # base, full, both

@@ -34,31 +34,9 @@ _LABELS = frozenset({"user", "metadata", "store", "service_tier"})
 _SEED = Field(default=None, ge=-(2**63), le=2**63 - 1 - 16)  # torch's seed range, room for n outputs
 
 
-# A request's processor kwargs may not ask for more work than the server's image limits allow
-# (MediaPolicy.max_pixels is 8192 x 8192): `size: {"shortest_edge": 50000}` would have the image
-# processor allocate tens of GB and take the whole server down.
-MAX_REQUEST_KWARG_NUMBER = 8192
-
-
-def _check_processor_kwargs(kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    def walk(value: Any, where: str) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{where}.{key}")
-        elif isinstance(value, list):
-            for index, item in enumerate(value):
-                walk(item, f"{where}[{index}]")
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_REQUEST_KWARG_NUMBER:
-            raise ValueError(
-                f"{where}={value} is over {MAX_REQUEST_KWARG_NUMBER}; a request may not ask the processor for "
-                "more than the server's image limits."
-            )
-
-    walk(kwargs or {}, "mm_processor_kwargs")
-    return kwargs
-
-
-RequestProcessorKwargs = Annotated[Optional[dict[str, Any]], AfterValidator(_check_processor_kwargs)]
+# A request's processor kwargs: a dict here; the engine refuses keys the model's processor does not take
+# and numbers that ask it for images over 8192 pixels a side (multimodal/processor_options.py).
+RequestProcessorKwargs = Optional[dict[str, Any]]
 
 
 def _check_media_io_kwargs(kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:

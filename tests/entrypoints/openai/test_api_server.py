@@ -187,16 +187,14 @@ def applied(server, monkeypatch):
     return calls
 
 
-def test_chat_takes_mm_processor_kwargs_and_image_ids(client, applied, caplog):
+def test_chat_takes_mm_processor_kwargs_and_image_ids(client, applied):
     messages = ask("What colour is the circle?", data_url(IMAGE))
     messages[0]["content"][0]["uuid"] = "three-shapes"
-    kwargs = {"do_normalize": True, "not_an_option_of_llava": 1}  # the default, and one nothing takes
-    with caplog.at_level("WARNING", logger="tessera.multimodal.context"):
-        response = client.chat.completions.create(model="demo", messages=messages, temperature=0, max_tokens=4,
-                                                  extra_body={"mm_processor_kwargs": kwargs})  # fmt: skip
+    kwargs = {"do_normalize": True}  # the default
+    response = client.chat.completions.create(model="demo", messages=messages, temperature=0, max_tokens=4,
+                                              extra_body={"mm_processor_kwargs": kwargs})  # fmt: skip
     assert response.choices[0].message.content.strip() == CIRCLE_COLOUR
     assert applied == [(kwargs, {"image": ["three-shapes"]})]
-    assert "['not_an_option_of_llava']" in caplog.text  # dropped with a warning, not a failure
 
 
 def test_completions_take_mm_processor_kwargs_and_ids_of_inline_images(client, applied):
@@ -206,8 +204,22 @@ def test_completions_take_mm_processor_kwargs_and_ids_of_inline_images(client, a
     assert response.choices[0].text.strip() == CIRCLE_COLOUR
     assert applied == [({"do_normalize": True}, {"image": ["inline-1"]})]
     ids = AutoTokenizer.from_pretrained(TINY_DEMO_MODEL).encode("USER: Hi ASSISTANT:")
-    client.completions.create(model="demo", prompt=ids, max_tokens=2, extra_body={"mm_processor_kwargs": {"x": 1}})
-    assert applied[-1] == ({"x": 1}, None)
+    client.completions.create(model="demo", prompt=ids, max_tokens=2, extra_body={"mm_processor_kwargs": {"padding": False}})
+    assert applied[-1] == ({"padding": False}, None)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_an_option_the_processor_does_not_take_is_a_json_400(server, client, path):
+    body = {"model": "demo", "max_tokens": 2, "mm_processor_kwargs": {"do_normalise": False}}
+    if path == "/v1/completions":
+        body["prompt"] = f'USER: <img src="{data_url(IMAGE)}">\nWhat colour is the circle? ASSISTANT:'
+    else:
+        body["messages"] = ask("What colour is the circle?", data_url(IMAGE))
+    response = httpx.post(server[0] + path, headers=headers(), json=body)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "'do_normalise'" in message and "did you mean 'do_normalize'" in message and "LlavaProcessor" in message
+    check_still_serving(client)
 
 
 def test_tokenize_takes_mm_processor_kwargs(server, applied):
