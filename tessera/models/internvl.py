@@ -58,6 +58,7 @@ from tessera.multimodal.processing import (
     PromptUpdateDetails,
 )
 from tessera.multimodal.profiling import BaseDummyInputsBuilder
+from tessera.multimodal.prompt_updates import placeholder_target, placeholder_token_id
 
 IMG_CONTEXT = "<IMG_CONTEXT>"
 VIDEO_TOKEN = "<video>"
@@ -202,7 +203,10 @@ class InternVLMultiModalProcessor(BaseMultiModalProcessor[InternVLProcessingInfo
                 out += (FIRST_FRAME if i < count else "") + VIDEO_TOKEN + part
             return out
         tokenizer = self.info.get_tokenizer()
-        video_token_id = tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)
+        video_token_id = placeholder_token_id(tokenizer, VIDEO_TOKEN)
+        if video_token_id is None:  # `<video>` is text to this tokenizer: write into the prompt's text
+            text = self._write_video_texts(self._codec.decode(list(prompt)), count)
+            return tokenizer.encode(text, add_special_tokens=False)
         first = tokenizer.encode(FIRST_FRAME, add_special_tokens=False)
         out_ids: list[int] = []
         written = 0
@@ -296,10 +300,10 @@ class InternVLMultiModalProcessor(BaseMultiModalProcessor[InternVLProcessingInfo
             num_frames = mm_items.get_items("video", VideoProcessorItems).get_num_frames(item_idx)
             return PromptUpdateDetails.select_token_id(self.info.get_video_tokens(num_frames), context_id)
 
-        video_token_id = self.info.get_tokenizer().convert_tokens_to_ids(VIDEO_TOKEN)
+        video_target = placeholder_target(self.info.get_tokenizer(), VIDEO_TOKEN)
         return [
             PromptReplacement(modality="image", target=[context_id], replacement=get_replacement),
-            PromptReplacement(modality="video", target=[video_token_id], replacement=get_video_replacement),
+            PromptReplacement(modality="video", target=video_target, replacement=get_video_replacement),
         ]
 
 

@@ -13,6 +13,8 @@ the tokens are HF's, and the item's placeholder is its frames. Only the `<image>
 embeddings. Each video's frames go to the HF video processor on their own (HF pads the frames of
 videos processed together to the longest one's count, and would name that count in every
 introduction); prompts with videos are tokenized apart from their items for the same reason.
+`<video>` need not be a token: a tokenizer without it (as some checkpoints) has it as plain text, which
+HF's processor replaces in the text, and so do we (a text target, prompt_updates.placeholder_target).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from tessera.multimodal.parse import MultiModalDataItems, VideoProcessorItems, bare_video_metadata
 from tessera.multimodal.processing import PromptReplacement, PromptUpdate, PromptUpdateDetails
+from tessera.multimodal.prompt_updates import placeholder_target, placeholder_token_id
 from tessera.multimodal.video import VideoFrames
 
 VIDEO_TOKEN = "<video>"
@@ -150,7 +153,10 @@ class SmolVLMMultiModalProcessor(Idefics3MultiModalProcessor):
                 out += (intros[i] + VIDEO_TOKEN + MEDIA_OUTRO if i < len(intros) else VIDEO_TOKEN) + part
             return out
         tokenizer = self.info.get_tokenizer()
-        video_token_id = tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)
+        video_token_id = placeholder_token_id(tokenizer, VIDEO_TOKEN)
+        if video_token_id is None:  # `<video>` is text to this tokenizer: write into the prompt's text
+            text = self._write_video_texts(self._codec.decode(list(prompt)), mm_items, mm_kwargs)
+            return tokenizer.encode(text, add_special_tokens=False)
         out_ids: list[int] = []
         count = 0
         for token in prompt:
@@ -209,7 +215,6 @@ class SmolVLMMultiModalProcessor(Idefics3MultiModalProcessor):
         (image_update,) = super()._get_prompt_updates(mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
         tokenizer = self.info.get_tokenizer()
         image_token_id = self.info.get_hf_config().image_token_id
-        video_token_id = tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)
 
         def get_video_replacement(item_idx: int) -> PromptUpdateDetails:
             videos = mm_items.get_items("video", VideoProcessorItems)
@@ -218,7 +223,9 @@ class SmolVLMMultiModalProcessor(Idefics3MultiModalProcessor):
                 tokenizer.encode(frames, add_special_tokens=False), image_token_id
             )
 
-        video_update = PromptReplacement(modality="video", target=[video_token_id], replacement=get_video_replacement)
+        video_update = PromptReplacement(
+            modality="video", target=placeholder_target(tokenizer, VIDEO_TOKEN), replacement=get_video_replacement
+        )
         return [image_update, video_update]
 
 

@@ -42,6 +42,28 @@ class TokenCodec:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
+def placeholder_token_id(tokenizer: Any, placeholder: str) -> Optional[int]:
+    """The token id of `placeholder` where the tokenizer has it as one token (the text encodes to
+    that token alone), else None: the placeholder is then plain text to this tokenizer (as to an HF
+    processor, which replaces it in the text), e.g. `<video>` in a checkpoint that never added it.
+    `convert_tokens_to_ids` cannot tell: it answers the unknown token's id for a missing one."""
+    ids = tokenizer.encode(placeholder, add_special_tokens=False)
+    if len(ids) != 1:
+        return None
+    unk_token = getattr(tokenizer, "unk_token", None)
+    if unk_token is not None and ids[0] == tokenizer.unk_token_id and placeholder != unk_token:
+        return None
+    return ids[0]
+
+
+def placeholder_target(tokenizer: Any, placeholder: str) -> PromptSeq:
+    """`placeholder` as a `PromptReplacement` target: its token id where it is one token, else its
+    text, which is matched in the tokens it encodes to or, where those merge with the text around
+    it, in the prompt's text (the text fallback of `placeholders.apply_prompt_updates`)."""
+    token_id = placeholder_token_id(tokenizer, placeholder)
+    return placeholder if token_id is None else [token_id]
+
+
 class BoundPromptSequence:
     """A text or token sequence that can be read in either form."""
 

@@ -43,10 +43,13 @@ IDEFICS3_CHAT_TEMPLATE = (
 )
 
 
-def idefics3_tokenizer():
+def idefics3_tokenizer(*, video_token: bool = True):
+    """`video_token=False`: without SmolVLM's `<video>` (as some SmolVLM checkpoints), which then is
+    plain text, as SmolVLMProcessor treats it."""
     tokenizer = build_tokenizer("llava")
+    specials = [t for t in IDEFICS3_SPECIAL_TOKENS if video_token or t != "<video>"]
     tokenizer.add_special_tokens(
-        {"additional_special_tokens": [AddedToken(t, normalized=False, special=True) for t in IDEFICS3_SPECIAL_TOKENS]}
+        {"additional_special_tokens": [AddedToken(t, normalized=False, special=True) for t in specials]}
     )
     tokenizer.chat_template = IDEFICS3_CHAT_TEMPLATE
     return tokenizer
@@ -105,9 +108,10 @@ def build_tiny_idefics3(folder, *, seed: int = 0) -> Path:
     return folder
 
 
-def build_tiny_smolvlm(folder, *, seed: int = 0, max_frames: int = 8) -> Path:
+def build_tiny_smolvlm(folder, *, seed: int = 0, max_frames: int = 8, video_token: bool = True) -> Path:
     """SmolVLM2 layout (SmolVLMForConditionalGeneration, SmolVLMProcessor with a video processor whose
     frames are squared to one 32-pixel tile each); write the checkpoint to `folder`; returns it.
+    `video_token=False`: the tokenizer has no `<video>` token (see `idefics3_tokenizer`).
     SmolVLMProcessor needs the `num2words` package."""
     from transformers import (
         SmolVLMConfig,
@@ -118,7 +122,7 @@ def build_tiny_smolvlm(folder, *, seed: int = 0, max_frames: int = 8) -> Path:
     )
 
     folder = Path(folder)
-    tokenizer = idefics3_tokenizer()
+    tokenizer = idefics3_tokenizer(video_token=video_token)
     vision, text = _configs(tokenizer)
     config = SmolVLMConfig(
         vision_config=vision, text_config=text, scale_factor=SCALE_FACTOR,

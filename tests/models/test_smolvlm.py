@@ -192,3 +192,59 @@ def test_chat_with_a_clip_gets_hf_prompt_and_answer(smolvlm, tmp_path):
     (output,) = llm.chat(messages, GREEDY, use_tqdm=False, media_io_kwargs={"video": {"num_frames": 6}})
     assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert output.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def no_video_token(tmp_path_factory):
+    """(folder, HF processor) of a SmolVLM2 checkpoint whose tokenizer has no `<video>` token: to it
+    `<video>` is plain text, which HF's processor replaces in the prompt's text."""
+    folder = build_tiny_smolvlm(tmp_path_factory.mktemp("tiny_smolvlm_no_video_token"), video_token=False)
+    hf_processor = AutoProcessor.from_pretrained(folder)
+    assert len(hf_processor.tokenizer.encode("<video>", add_special_tokens=False)) > 1  # the case under test
+    return folder, hf_processor
+
+
+@pytest.mark.parametrize("cache_gb", [0, 1])
+@pytest.mark.parametrize("form", ["text", "token-ids"])
+@pytest.mark.parametrize("case", ["clip", "bare-video", "two-videos", "image-and-video"])
+def test_video_placeholder_that_is_no_token_matches_hf(no_video_token, clip, case, form, cache_gb):
+    """A text or token-id prompt (the HF tokenizer's ids of the text) gets HF's prompt, each video's
+    placeholder is its frames in HF's prompt, and every `<image>` token of HF's prompt is an embedding."""
+    folder, hf_processor = no_video_token
+    tokenizer = hf_processor.tokenizer
+    prompt, data = {
+        "clip": (VIDEO, {"video": [clip]}),
+        "bare-video": ("User:<video>What happens?", {"video": [random_video(5, 56, 40)]}),
+        # as many frames each: HF pads the frames of videos processed together to the longest one's count
+        "two-videos": ("User: <video> then<video>Compare.", {"video": [random_video(6, 30, 70, 1), clip]}),
+        "image-and-video": ("User:<image>and <video>Compare.", {"image": random_images([(60, 40)]), "video": [clip]}),
+    }[case]
+    hf = hf_inputs(hf_processor, prompt, data)
+    hf_ids = hf["input_ids"][0]
+    processor = MULTIMODAL_REGISTRY.create_processor(folder, mm_processor_cache_gb=cache_gb)
+    given = prompt if form == "text" else tokenizer(prompt)["input_ids"]
+    out = processor.apply(given, data)
+    assert out["prompt_token_ids"] == hf_ids.tolist()
+    placeholders = [p for ranges in out["mm_placeholders"].values() for p in ranges]
+    assert len(out["mm_placeholders"]["video"]) == len(data["video"])
+    assert len(placeholders) == len(data["video"]) + len(data.get("image", []))
+    fake = tokenizer.convert_tokens_to_ids("<fake_token_around_image>")
+    is_embed = torch.zeros_like(hf_ids, dtype=torch.bool)
+    for placeholder in placeholders:
+        span = hf_ids[placeholder.offset : placeholder.offset + placeholder.length]
+        assert span[0] == span[-1] == fake
+        is_embed[placeholder.offset : placeholder.offset + placeholder.length] = torch.as_tensor(placeholder.is_embed)
+    assert torch.equal(is_embed, hf_ids.eq(hf_processor.image_token_id))
+
+
+def test_engine_without_a_video_token_starts_and_answers_as_hf(no_video_token, clip):
+    """The start-up profile runs a worst-case video prompt; then a video prompt gets HF's answer."""
+    folder, hf_processor = no_video_token
+    inputs = hf_inputs(hf_processor, VIDEO, {"video": [clip]})
+    hf_model = HFSmolVLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="4MiB", limit_mm_per_prompt={"image": 1, "video": 1})
+    (output,) = llm.generate([{"prompt": VIDEO, "multi_modal_data": {"video": [clip]}}], GREEDY, use_tqdm=False)
+    assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert output.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()

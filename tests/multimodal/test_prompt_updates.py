@@ -18,6 +18,8 @@ from tessera.multimodal.prompt_updates import (
     PromptUpdateDetails,
     TokenCodec,
     UpdateMode,
+    placeholder_target,
+    placeholder_token_id,
 )
 from tessera.testing import build_tokenizer
 
@@ -145,3 +147,20 @@ def test_bound_sequence_converts_both_ways(tokenizer):
     assert BoundPromptSequence(codec, "Image:<image>").token_ids == [IM, MAGE, COLON, IMG]
     assert BoundPromptSequence(codec, [IM, MAGE, COLON, IMG]).text == "Image:<image>"
     assert BoundPromptSequence(codec, []).text == "" and BoundPromptSequence(codec, "").token_ids == []
+
+
+# ---- placeholders that may or may not be one token ---------------------------------------------
+
+
+def test_placeholder_is_its_token_only_where_the_tokenizer_has_it_as_one(tokenizer):
+    """`<image>` is one (added) token of the fixture tokenizer; `<video>` is not, and
+    convert_tokens_to_ids answers the unknown token's id for it, which no prompt holds: such a
+    placeholder is a text target (what HF processors replace), matched by its text."""
+    assert tokenizer.convert_tokens_to_ids("<video>") == tokenizer.unk_token_id
+    assert len(tokenizer.encode("<video>", add_special_tokens=False)) > 1
+    assert placeholder_token_id(tokenizer, "<image>") == IMG
+    assert placeholder_target(tokenizer, "<image>") == [IMG]
+    assert placeholder_token_id(tokenizer, "<video>") is None
+    assert placeholder_target(tokenizer, "<video>") == "<video>"
+    assert placeholder_target(tokenizer, "Image:") == "Image:"  # three tokens
+    assert placeholder_token_id(tokenizer, tokenizer.unk_token) == tokenizer.unk_token_id
