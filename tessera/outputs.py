@@ -60,6 +60,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     error: Optional[str] = None
     """Why the engine failed this request (its outputs then finish with "error"), else None."""
+    error_status: int = 500
+    """The HTTP status of that failure: 500, the engine's fault; 400, the request's own inputs could not
+    run (e.g. processor settings whose output does not fit the model)."""
 
     @property
     def finished(self) -> bool:

@@ -41,7 +41,12 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed while running this request (not the caller's fault); others go on."""
+    """The engine failed while running this request; others go on. `status_code`: 500 where it is not
+    the caller's fault, 400 where the request's own inputs could not run."""
+
+    def __init__(self, message: str, status_code: int = 500) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 class RequestStream:
@@ -245,7 +250,7 @@ class AsyncEngine:
                         continue
                     if output.finished:
                         del self._streams[output.request_id]
-                    item = output if output.error is None else RequestFailedError(output.error)
+                    item = output if output.error is None else RequestFailedError(output.error, output.error_status)
                     if not stream.put(item) and not output.finished:  # its reader is gone: stop it
                         self._abort(output.request_id)
         except BaseException as e:  # the engine's own state is broken: fail every request, report death

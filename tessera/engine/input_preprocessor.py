@@ -23,6 +23,10 @@ from .prompt import PromptInputs, PromptType, longest_token_chars, process_promp
 _SMALLER_SETTINGS = " (or processor settings that make it smaller, e.g. a lower max_pixels in mm_processor_kwargs)"
 
 
+def _an(noun: str) -> str:
+    return ("An " if noun[:1] in "aeiou" else "A ") + noun
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """What one request may use of the engine."""
@@ -132,13 +136,13 @@ class InputPreprocessor:
         for item in inputs.mm_items:
             if item.num_embeds > limits.encoder_rows:
                 raise InputError(
-                    f"A {item.modality} needs {item.num_embeds} encoder rows but the encoder budget is "
+                    f"{_an(item.modality)} needs {item.num_embeds} encoder rows but the encoder budget is "
                     f"{limits.encoder_rows} ({item.num_embeds - limits.encoder_rows} over); raise "
                     f"max_num_encoder_input_tokens / encoder_cache_size or send a smaller item{_SMALLER_SETTINGS}."
                 )
             if limits.whole_item_tokens is not None and item.end - item.start > limits.whole_item_tokens:
                 raise InputError(
-                    f"A {item.modality} takes {item.end - item.start} prompt tokens, which this model prefills in "
+                    f"{_an(item.modality)} takes {item.end - item.start} prompt tokens, which this model prefills in "
                     f"one step, but a step holds {limits.whole_item_tokens} "
                     f"({item.end - item.start - limits.whole_item_tokens} over); raise max_num_batched_tokens or "
                     f"send a smaller item{_SMALLER_SETTINGS}."

@@ -20,11 +20,11 @@ from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
 from .input_preprocessor import EngineLimits, InputPreprocessor
-from .model_runner import ModelRunner
+from .model_runner import EncoderInputError, ModelRunner
 from .output_processor import OutputProcessor
 from .prompt import PromptInputs, PromptType
 from .request import Request, RequestStatus
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .structured_output import StructuredOutputManager
 from .workers import WorkerGroup, start_workers
 
@@ -232,6 +232,10 @@ class LLMEngine:
             sampled = self.runner.execute(out, self.block_manager, self.encoder_cache)
         except WorkerDiedError:  # the ranks are out of step: no step can run any more
             raise
+        except EncoderInputError as e:
+            if self._profiling:
+                raise
+            return self._fail_encoder_inputs(out, e)
         except Exception as e:
             if self._profiling:  # the configuration cannot run at all: say so at start-up
                 raise
@@ -253,6 +257,23 @@ class LLMEngine:
             outputs += self._fail({parent_id: None}, e)
         return outputs
 
+    def _fail_encoder_inputs(self, out: SchedulerOutput, error: EncoderInputError) -> list[RequestOutput]:
+        """Fail the requests whose items the encoder could not take (their processed inputs do not fit the
+        model: a 400, as bad input). The step's other requests did not run: the next step runs them, their
+        items' encoder outputs cached by now."""
+        bad = {
+            step.request.parent_id: None
+            for step in out.scheduled
+            if any(item.hash in error.failed for item in step.encode) or any(h in error.failed for h in step.shared)
+        }
+        logger.warning("The encoder could not take the items of %d request(s); failing them: %s", len(bad), error)
+        message = (
+            f"The model could not encode this request's items ({error}): the processed inputs do not fit the "
+            "model. Check the request's mm_processor_kwargs (options such as patch_size or the tile size must "
+            "stay the model's own)."
+        )
+        return self._fail(bad, error, message=message, status=400)
+
     def _stop_on_string(self, request: Request, stop_string: str) -> None:
         request.stop_reason = stop_string
         if request.is_finished:  # it also reached its length limit: the stop string is the reason
@@ -261,8 +282,12 @@ class LLMEngine:
             request.metrics.finished_time = time.monotonic()
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
-    def _fail(self, parent_ids: Mapping[str, None], error: BaseException) -> list[RequestOutput]:
-        """End these requests (all their sequences) with finish reason "error" and free what they hold."""
+    def _fail(
+        self, parent_ids: Mapping[str, None], error: BaseException, *, message: Optional[str] = None, status: int = 500
+    ) -> list[RequestOutput]:
+        """End these requests (all their sequences) with finish reason "error" and free what they hold;
+        `message` (default: the error's type) and `status` (500: the engine's fault; 400: the request's
+        inputs) go to RequestOutput.error / error_status."""
         outputs = []
         for parent_id in parent_ids:
             if parent_id not in self.output_processor:
@@ -272,7 +297,7 @@ class LLMEngine:
                     child.metrics.finished_time = time.monotonic()
                     self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
             self.output_processor.fail(
-                parent_id, f"The engine failed while running this request ({type(error).__name__})."
+                parent_id, message or f"The engine failed while running this request ({type(error).__name__}).", status
             )
             outputs.append(self.output_processor.output(parent_id))
         return outputs

@@ -24,7 +24,7 @@ from ..multimodal.utils import group_by_modality
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
 from .model_inputs import ModelInputs, run_model
-from .request import Request
+from .request import MultiModalItem, Request
 from .scheduler import SchedulerOutput
 from .structured_output import token_mask
 
@@ -131,19 +131,49 @@ class ModelRunner:
     def _encode(self, out: SchedulerOutput, encoder_cache: EncoderCache) -> None:
         """Run the encoder once per new item: one call per run of consecutive items of one
         modality, in prompt order (each request's items are sorted by position), so a model that
-        takes images and videos gets them in the order the prompt has them."""
+        takes images and videos gets them in the order the prompt has them. A run the encoder fails
+        on is encoded item by item; the items that fail alone raise `EncoderInputError` (the others'
+        outputs are cached), so that only the requests holding them fail."""
         items = {item.hash: item for step in out.scheduled for item in step.encode}  # unique, in order
+        failed: dict[str, BaseException] = {}
         for _, group in group_by_modality(items.values(), lambda item: item.modality):
-            kwargs = MultiModalKwargs.from_items([item.kwargs for item in group])
-            embeddings = self.model.get_multimodal_embeddings(**kwargs)
-            for item, item_embeddings in zip(group, embeddings):
-                item_embeddings = item_embeddings.reshape(-1, item_embeddings.shape[-1])
-                if item_embeddings.shape[0] != item.num_embeds:
-                    raise RuntimeError(
-                        f"The encoder gave {item_embeddings.shape[0]} embeddings for a {item.modality} with "
-                        f"{item.num_embeds} placeholder positions"
-                    )
-                encoder_cache.put(item.hash, item_embeddings, out.encoder_users[item.hash])
+            try:
+                self._encode_items(group, out, encoder_cache)
+                continue
+            except Exception as e:
+                if len(group) == 1:
+                    failed[group[0].hash] = e
+                    continue
+            for item in group:
+                try:
+                    self._encode_items([item], out, encoder_cache)
+                except Exception as e:
+                    failed[item.hash] = e
+        if failed:
+            raise EncoderInputError(failed)
+
+    def _encode_items(self, items: list[MultiModalItem], out: SchedulerOutput, encoder_cache: EncoderCache) -> None:
+        kwargs = MultiModalKwargs.from_items([item.kwargs for item in items])
+        embeddings = self.model.get_multimodal_embeddings(**kwargs)
+        rows = [e.reshape(-1, e.shape[-1]) for e in embeddings]
+        for item, item_rows in zip(items, rows):
+            if item_rows.shape[0] != item.num_embeds:
+                raise RuntimeError(
+                    f"The encoder gave {item_rows.shape[0]} embeddings for a {item.modality} with "
+                    f"{item.num_embeds} placeholder positions"
+                )
+        for item, item_rows in zip(items, rows):  # all checked first: a failed run caches nothing
+            encoder_cache.put(item.hash, item_rows, out.encoder_users[item.hash])
+
+
+class EncoderInputError(RuntimeError):
+    """The encoder could not encode these items (item hash -> the error), each alone: their processed
+    inputs do not fit the model (e.g. processor kwargs that change the patch size the model was built for)."""
+
+    def __init__(self, failed: dict[str, BaseException]) -> None:
+        self.failed = failed
+        first = next(iter(failed.values()))
+        super().__init__(f"{type(first).__name__}: {first}")
 
 
 def prepare_model_for_steps(

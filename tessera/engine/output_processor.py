@@ -22,6 +22,7 @@ class _Tracked:
     inputs: PromptInputs
     children: list[Request]
     error: Optional[str] = None
+    error_status: int = 500
 
 
 class OutputProcessor:
@@ -74,13 +75,15 @@ class OutputProcessor:
             for child in tracked.children
         ]
         inputs = tracked.inputs
-        output = RequestOutput(request_id, inputs.prompt, list(inputs.token_ids), outputs, error=tracked.error)
+        output = RequestOutput(request_id, inputs.prompt, list(inputs.token_ids), outputs, error=tracked.error,
+                               error_status=tracked.error_status)
         if output.finished:
             self.forget(request_id)
         return output
 
-    def fail(self, request_id: str, message: str) -> None:
-        self.requests[request_id].error = message
+    def fail(self, request_id: str, message: str, status: int = 500) -> None:
+        tracked = self.requests[request_id]
+        tracked.error, tracked.error_status = message, status
 
     def forget(self, request_id: str) -> None:
         tracked = self.requests.pop(request_id, None)

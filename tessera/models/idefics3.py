@@ -196,12 +196,14 @@ class Idefics3MultiModalProcessor(BaseMultiModalProcessor[Idefics3ProcessingInfo
         num_patches = [
             self.info.get_num_patches(image_width=s.width, image_height=s.height, mm_kwargs=mm_kwargs) for s in sizes
         ]
-        pixel_values, pixel_mask = processed[pixels], processed[mask]
+        pixel_values = processed[pixels]
         if pixel_values.shape[0] != 1 or pixel_values.shape[1] != sum(num_patches):
             raise RuntimeError(
                 f"The HF processor cut {pixel_values.shape[1]} tiles for images that should give {num_patches}"
             )
-        processed[pixels], processed[mask] = pixel_values[0], pixel_mask[0]
+        processed[pixels] = pixel_values[0]
+        if mask in processed:  # absent with do_pad=False: every tile is whole
+            processed[mask] = processed[mask][0]
         processed["num_patches"] = torch.tensor(num_patches)
         return processed
 

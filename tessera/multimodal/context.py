@@ -87,16 +87,22 @@ class InputProcessingContext:
         merged = self.get_merged_mm_kwargs(kwargs)
         merged.pop("tokenizer", None)
         if not (isinstance(typ, type) and issubclass(typ, ProcessorMixin)):
-            constructor_kwargs = constructor_kwargs_for(typ, {"tokenizer": self.tokenizer, **merged})
-            return self._processor_with((typ, freeze({k: v for k, v in constructor_kwargs.items() if k != "tokenizer"})),
-                                        lambda: typ(**constructor_kwargs))  # fmt: skip
+            return self._processor_of_class(typ, merged)
         base = self._base_processor()
         constructor_kwargs = size_dicts(base, split_mm_kwargs(base, merged).constructor)
         processor = base
         if constructor_kwargs:
-            processor = self._processor_with(freeze(constructor_kwargs), lambda: self._load_processor(constructor_kwargs))
+            load = lambda: self._load_processor(constructor_kwargs)  # noqa: E731
+            processor = self._processor_with(freeze(constructor_kwargs), load)
         _check_type(processor, typ, self.model_config.model)
         return processor  # type: ignore[return-value]
+
+    def _processor_of_class(self, typ: type[_P], merged: dict[str, object]) -> _P:
+        """A processor class that is not a transformers processor, built with the merged kwargs its
+        constructor names (and our tokenizer, if it takes one)."""
+        constructor_kwargs = constructor_kwargs_for(typ, {"tokenizer": self.tokenizer, **merged})
+        options = {key: value for key, value in constructor_kwargs.items() if key != "tokenizer"}
+        return self._processor_with((typ, freeze(options)), lambda: typ(**constructor_kwargs))
 
     def _base_processor(self) -> ProcessorMixin:
         """The processor as the model folder defines it: what kwargs are checked against."""

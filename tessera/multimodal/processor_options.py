@@ -26,6 +26,7 @@ from transformers.image_utils import SizeDict
 
 _UNPACK = tuple({typing.Unpack, typing_extensions.Unpack})
 RESERVED = frozenset({"return_tensors"})  # we always ask for torch tensors
+DATA_NAMES = frozenset({"text", "images", "videos", "audio", "audios"})  # a processor call's inputs, not options
 LOADER_OPTIONS = frozenset({"use_fast"})  # from_pretrained's own: the fast or slow (image) processor class
 CALL_DEFAULTS = ("text_kwargs", "images_kwargs", "videos_kwargs", "audio_kwargs")
 _SUB_PROCESSOR_KWARGS = {  # the modality each sub-processor's valid_kwargs serve (HF's _merge_kwargs)
@@ -100,7 +101,7 @@ _OPTIONS: dict[tuple, ProcessorOptions] = {}
 def processor_options(hf_processor: Any) -> ProcessorOptions:
     """The options of a processor instance (one answer per processor and sub-processor classes), of
     a processor class, or of a plain function standing for a call (its keyword parameters)."""
-    if not isinstance(hf_processor, ProcessorMixin) and (inspect.isfunction(hf_processor) or inspect.ismethod(hf_processor)):
+    if inspect.isfunction(hf_processor) or inspect.ismethod(hf_processor):
         call, open_call, _ = _signature_names(hf_processor, data_params=False)
         return ProcessorOptions(frozenset(), call, open_call, frozenset())
     owners = _owners(hf_processor)
@@ -147,7 +148,8 @@ def _processor_options(hf_processor: Any, owners: list[Any]) -> ProcessorOptions
 
 def _signature_names(fn: Callable[..., Any], *, data_params: bool) -> tuple[frozenset[str], bool, frozenset[str]]:
     """(keyword names `fn` takes, whether it takes any other keyword too, its data parameters: for a
-    transformers processor's call, the positional-or-keyword ones such as text and images)."""
+    transformers processor's call, its inputs (text, images...); its other parameters, such as
+    Idefics3's image_seq_len, are options)."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read: pass everything, as vLLM
@@ -162,8 +164,8 @@ def _signature_names(fn: Callable[..., Any], *, data_params: bool) -> tuple[froz
             typed = _typed_kwargs_names(param.annotation)
             open_call = open_call or typed is None
             names |= typed or set()
-        elif param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and data_params:
-            data.add(param.name)  # text, images, audio, videos: data, not options
+        elif param.name in DATA_NAMES and data_params:
+            data.add(param.name)
         elif param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY):
             names.add(param.name)
     return frozenset(names - data), open_call, frozenset(data)
@@ -244,16 +246,16 @@ def size_dicts(hf_processor: Any, kwargs: dict[str, object]) -> dict[str, object
 
 
 def _takes_size_dict_only(hf_processor: Any, key: str) -> bool:
+    """Whether a (sub-)processor declares option `key` as a SizeDict and not as a dict. Read from the
+    annotation's text: annotations may be strings that do not resolve (``from __future__ import
+    annotations`` in another module)."""
     for owner in (hf_processor, *sub_processors(hf_processor).values()):
         valid = getattr(owner, "valid_kwargs", None)
-        try:
-            annotation = typing.get_type_hints(valid).get(key) if typing_extensions.is_typeddict(valid) else None
-        except Exception:  # an annotation that does not resolve: judge by the value held
-            annotation = None
-        if annotation is not None:
-            arguments = typing.get_args(annotation) or (annotation,)
-            return SizeDict in arguments and not any(typing.get_origin(a) is dict or a is dict for a in arguments)
-        if isinstance(getattr(owner, key, None), SizeDict):
+        annotations = getattr(valid, "__annotations__", {}) if typing_extensions.is_typeddict(valid) else {}
+        if key in annotations:
+            text = annotations[key] if isinstance(annotations[key], str) else repr(annotations[key])
+            return "SizeDict" in text and "dict[" not in text.replace("SizeDict", "") and "Mapping" not in text
+        if not annotations and isinstance(getattr(owner, key, None), SizeDict):  # no declared options: as held
             return True
     return False
 

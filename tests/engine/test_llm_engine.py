@@ -230,6 +230,24 @@ def test_a_failure_updating_one_request_fails_only_that_one(tiny_llava_dir, llav
     assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
+def test_an_item_the_encoder_cannot_take_fails_only_its_request(tiny_llava_dir, llava_reference):
+    """HF's processor takes a 48-pixel crop, but the CLIP tower was built for 32: the encoder cannot take that
+    item. Batched with two good requests in one step, only its request fails (a 400: its own inputs)."""
+    llm = make_llm(tiny_llava_dir)
+    engine = llm.engine
+    requests = llava_requests(3)  # 0, 1 and 2 images
+    misfit = {**requests[1], "mm_processor_kwargs": {"crop_size": {"height": 48, "width": 48}}}
+    engine.add_request("good-1", requests[1], GREEDY)
+    engine.add_request("misfit", misfit, GREEDY)
+    engine.add_request("good-2", requests[2], GREEDY)
+    finished = _run(engine)
+    assert tokens([finished["good-1"], finished["good-2"]]) == llava_reference[1:3]
+    bad = finished["misfit"]
+    assert [o.finish_reason for o in bad.outputs] == ["error"] and bad.error_status == 400
+    assert "could not encode" in bad.error and "mm_processor_kwargs" in bad.error
+    assert_all_free(llm)
+
+
 # ---- named items ----------------------------------------------------------------------------------
 
 

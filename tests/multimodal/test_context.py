@@ -126,7 +126,8 @@ def test_fuyu_patch_size_from_the_config_changes_the_layout_as_hf(tiny_fuyu_dir,
 def test_unknown_keys_are_refused_naming_them_and_the_options(tiny_llava_dir, image):
     processor = make(tiny_llava_dir, mm_processor_cache_gb=0)
     plain = processor.apply(PROMPT, {"image": image})
-    for request_kwargs in ({"bogus": 2}, {"do_normalise": False, "do_resize": True}, {"text": "x"}, {"return_tensors": "np"}):
+    refused = ({"bogus": 2}, {"do_normalise": False, "do_resize": True}, {"text": "x"}, {"return_tensors": "np"})
+    for request_kwargs in refused:
         with pytest.raises(ValueError, match="not an option") as error:
             processor.apply(PROMPT, {"image": image}, request_kwargs)
         message = str(error.value)

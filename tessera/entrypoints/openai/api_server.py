@@ -129,7 +129,7 @@ def build_app(
 
     @app.exception_handler(RequestFailedError)
     async def request_failed(_: Request, e: RequestFailedError) -> JSONResponse:
-        return error(500, str(e), "server_error")
+        return error(e.status_code, str(e), "server_error" if e.status_code >= 500 else "invalid_request_error")
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception) -> JSONResponse:  # a bug: details to the log only

@@ -305,11 +305,12 @@ class OpenAIServing:
                 if include_usage:
                     yield event([], _usage(final))
         except Exception as e:  # the engine failed under this request: tell the client in-band
-            status = 503 if isinstance(e, EngineDeadError) else 500
+            status = 503 if isinstance(e, EngineDeadError) else getattr(e, "status_code", 500)
             if not isinstance(e, (EngineDeadError, RequestFailedError)):
                 logger.exception("Streaming %s failed", request_id)
             message = str(e) if status == 503 or isinstance(e, RequestFailedError) else "Internal server error."
-            yield f"data: {json.dumps(error_body(message, 'server_error', status))}\n\n"
+            kind = "server_error" if status >= 500 else "invalid_request_error"
+            yield f"data: {json.dumps(error_body(message, kind, status))}\n\n"
         finally:
             if final is None or not final.finished:  # the client went away: free the request now
                 stream.abort()

@@ -204,7 +204,8 @@ def test_completions_take_mm_processor_kwargs_and_ids_of_inline_images(client, a
     assert response.choices[0].text.strip() == CIRCLE_COLOUR
     assert applied == [({"do_normalize": True}, {"image": ["inline-1"]})]
     ids = AutoTokenizer.from_pretrained(TINY_DEMO_MODEL).encode("USER: Hi ASSISTANT:")
-    client.completions.create(model="demo", prompt=ids, max_tokens=2, extra_body={"mm_processor_kwargs": {"padding": False}})
+    body = {"mm_processor_kwargs": {"padding": False}}  # a text option
+    client.completions.create(model="demo", prompt=ids, max_tokens=2, extra_body=body)
     assert applied[-1] == ({"padding": False}, None)
 
 
