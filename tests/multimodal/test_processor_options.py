@@ -178,3 +178,42 @@ def test_a_request_over_the_bounds_is_refused_before_any_processing(qwen_dir, pi
     configured = MULTIMODAL_REGISTRY.create_processor(qwen_dir, mm_processor_kwargs={"max_pixels": 10**9})
     configured.check_mm_kwargs()
     assert math.isfinite(configured.info.get_num_image_tokens(image_width=64, image_height=64))
+
+
+# ---- the case the issue was filed on: Qwen2.5-VL-3B-Instruct's published processor files ---------------
+
+PUBLISHED_QWEN2_5_VL = {  # Qwen/Qwen2.5-VL-3B-Instruct's preprocessor_config.json
+    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+}  # fmt: skip
+
+
+def test_max_pixels_caps_a_published_qwen_checkpoint_as_its_model_card_says(qwen_dir, tmp_path):
+    """LLM(model, mm_processor_kwargs={"max_pixels": 313600}) on Qwen2.5-VL-3B's processor files turned a
+    1280x960 picture into 1593 prompt tokens (the option dropped) where HF gives a few hundred, and the
+    start-up profile planned for the capped size. Model level and per request, both now follow HF."""
+    import json
+    import shutil
+
+    folder = tmp_path / "published"
+    shutil.copytree(qwen_dir, folder)
+    (folder / "processor_config.json").unlink()
+    (folder / "preprocessor_config.json").write_text(json.dumps(PUBLISHED_QWEN2_5_VL))
+    (picture,) = random_images([(1280, 960)], seed=2)
+    capped = {"max_pixels": 313600}
+    hf = qwen_hf(folder, picture, **capped)
+    image_pad = AutoProcessor.from_pretrained(folder).tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    height, width = smart_resize(960, 1280, 28, 3136, 313600)
+    assert int((hf["input_ids"] == image_pad).sum()) == (height // 28) * (width // 28)
+    model_level = MULTIMODAL_REGISTRY.create_processor(folder, mm_processor_kwargs=capped)
+    per_request = MULTIMODAL_REGISTRY.create_processor(folder)
+    for processor, kwargs in ((model_level, {}), (per_request, capped)):
+        out = processor.apply(QWEN_PROMPT, {"image": picture}, kwargs)
+        assert out["prompt_token_ids"] == hf["input_ids"][0].tolist()
+    uncapped = per_request.apply(QWEN_PROMPT, {"image": picture})
+    assert uncapped["prompt_token_ids"] == qwen_hf(folder, picture)["input_ids"][0].tolist()
+    height, width = smart_resize(960, 1280, 28, 3136, 12845056)  # the checkpoint's own bounds
+    assert uncapped["mm_placeholders"]["image"][0].length == (height // 28) * (width // 28)
+    profiled = MultiModalProfiler(model_level).get_mm_max_tokens_per_item(32768)["image"]
+    assert profiled == 313600 // 28**2  # 400: the most tokens the capped processor gives any picture
