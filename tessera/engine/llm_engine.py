@@ -233,8 +233,8 @@ class LLMEngine:
         except WorkerDiedError:  # the ranks are out of step: no step can run any more
             raise
         except EncoderInputError as e:
-            if self._profiling:
-                raise
+            if self._profiling:  # the model's own worst case: the configuration cannot run, as below
+                raise e.first
             return self._fail_encoder_inputs(out, e)
         except Exception as e:
             if self._profiling:  # the configuration cannot run at all: say so at start-up

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ..errors import WorkerDiedError
 from ..layers.cpu_kernels import describe_cpu_kernels
 from ..layers.kv_cache import allocate_kv_cache
 from ..layers.linear import pack_linears_for_cpu
@@ -139,18 +140,26 @@ class ModelRunner:
         for _, group in group_by_modality(items.values(), lambda item: item.modality):
             try:
                 self._encode_items(group, out, encoder_cache)
-                continue
+            except WorkerDiedError:
+                raise
             except Exception as e:
-                if len(group) == 1:
-                    failed[group[0].hash] = e
-                    continue
-            for item in group:
-                try:
-                    self._encode_items([item], out, encoder_cache)
-                except Exception as e:
-                    failed[item.hash] = e
+                failed.update(self._encode_each(group, out, encoder_cache) if len(group) > 1 else {group[0].hash: e})
         if failed:
             raise EncoderInputError(failed)
+
+    def _encode_each(
+        self, items: list[MultiModalItem], out: SchedulerOutput, encoder_cache: EncoderCache
+    ) -> dict[str, BaseException]:
+        """Encode `items` one at a time; returns the errors of those that fail alone, by item hash."""
+        failed: dict[str, BaseException] = {}
+        for item in items:
+            try:
+                self._encode_items([item], out, encoder_cache)
+            except WorkerDiedError:
+                raise
+            except Exception as e:
+                failed[item.hash] = e
+        return failed
 
     def _encode_items(self, items: list[MultiModalItem], out: SchedulerOutput, encoder_cache: EncoderCache) -> None:
         kwargs = MultiModalKwargs.from_items([item.kwargs for item in items])
@@ -172,8 +181,8 @@ class EncoderInputError(RuntimeError):
 
     def __init__(self, failed: dict[str, BaseException]) -> None:
         self.failed = failed
-        first = next(iter(failed.values()))
-        super().__init__(f"{type(first).__name__}: {first}")
+        self.first = next(iter(failed.values()))
+        super().__init__(f"{type(self.first).__name__}: {self.first}")
 
 
 def prepare_model_for_steps(
