@@ -103,3 +103,25 @@ def test_tokenize_counts_as_hf(served, size):
     processor = AutoProcessor.from_pretrained(folder)
     hf_ids = hf_inputs(processor, [image], "What is it?")["input_ids"][0]
     assert counted["tokens"] == list(hf_ids) and counted["count"] == len(hf_ids)
+
+
+def test_request_processor_options_get_hf_answer(served, request):
+    """A request's mm_processor_kwargs (each family's options of tests/models/test_processor_options_per_family.py,
+    which change the image's token count, or its pixels where the family has no such option) give HF's prompt
+    tokens and greedy answer with the same options."""
+    from tests.models.test_processor_options_per_family import FAMILIES
+
+    folder, url = served
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    for case in FAMILIES[request.node.callspec.params["served"]].cases.values():
+        images = random_images([case.size], seed=1)
+        body = {"model": "tiny", "messages": messages(images, "What is it?"), "max_tokens": MAX_TOKENS,
+                "temperature": 0.0, "ignore_eos": True, "mm_processor_kwargs": case.options}  # fmt: skip
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+        inputs = hf_inputs(processor, images, "What is it?", return_tensors="pt", **case.options)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+        expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        assert reply["usage"]["prompt_tokens"] == inputs["input_ids"].shape[1], case
+        assert reply["choices"][0]["message"]["content"] == expected, case
