@@ -3,8 +3,9 @@
 A request's `mm_processor_kwargs` (vLLM's body field; the openai client sends it in `extra_body`), a
 server's (the engine's model-level ones) and the model's processor files combine key by key, request
 over server over files, and the answer and prompt tokens are those of HF `generate` with the same
-settings: on Qwen2.5-VL (`max_pixels`, `min_pixels`, the `size` dict form, `do_normalize`) and Idefics3
-(`size={"longest_edge": ...}`), on /v1/chat/completions, /v1/completions and /tokenize. Two requests
+settings: on Qwen2.5-VL (`max_pixels`, `min_pixels`, the `size` dict form, `do_normalize`), Qwen2-VL and
+Qwen3-VL (`max_pixels`, `size`) and Idefics3 (`size={"longest_edge": ...}`), on /v1/chat/completions,
+/v1/completions and /tokenize (the other tiling families: test_tiled_models.py). Two requests
 for the same picture with different settings, sent at once and repeated (warm processor, encoder and
 prefix caches), each get their own answer. A request whose settings make its image larger than the
 engine's encoder budget or KV cache is a JSON 400 naming the limit and the numbers, while a request
@@ -40,7 +41,7 @@ from tessera.entrypoints.openai.http_server import ServerThread
 from tessera.multimodal.media import MediaPolicy
 from tessera.testing import random_images
 from tessera.testing.idefics3 import build_tiny_idefics3
-from tessera.testing.qwen_vl import build_tiny_qwen2_5_vl
+from tessera.testing.qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl, build_tiny_qwen3_vl
 from tessera.testing.server import metric, wait_until_idle
 
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `min_pixels` and `max_pixels`:FutureWarning")
@@ -239,6 +240,24 @@ def test_tokenize_takes_request_options(request_case):
     assert counted.status_code == 200, counted.text
     expected = hf.prompt_ids(image, kwargs)
     assert counted.json()["tokens"] == expected and counted.json()["count"] == len(expected)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
+def other_qwen(request, tmp_path_factory):
+    """(server URL, HFReference) of Qwen2-VL and Qwen3-VL, which share Qwen2.5-VL's size options."""
+    build = {"qwen2_vl": build_tiny_qwen2_vl, "qwen3_vl": build_tiny_qwen3_vl}[request.param]
+    folder = build(tmp_path_factory.mktemp(request.param))
+    with serve(folder, kv_cache_memory="16MiB") as url:
+        yield url, HFReference(folder, IMAGE_TEXT["qwen"])
+
+
+def test_qwen2_and_qwen3_vl_take_request_options(other_qwen):
+    url, hf = other_qwen
+    for kwargs in ({"max_pixels": 16 * 16 * 4}, {"size": {"shortest_edge": 16 * 16, "longest_edge": 16 * 16 * 6}}):
+        expected = hf.answer(PICTURE, kwargs)
+        assert expected[1] != hf.answer(PICTURE)[1]  # the options change the prompt, so the test can tell
+        assert answer_of(chat(url, PICTURE, kwargs)) == expected
+    assert answer_of(chat(url, PICTURE)) == hf.answer(PICTURE)
 
 
 def test_completions_take_request_options(qwen, qwen_server):
