@@ -117,8 +117,9 @@ def _media_io_kwargs_option(parser: argparse.ArgumentParser, note: str = "") -> 
 def _mm_processor_kwargs_option(parser: argparse.ArgumentParser) -> None:
     _device_options(parser)
     parser.add_argument("--mm-processor-kwargs", type=_json_object, default=None, metavar="JSON",
-                        help="keyword arguments for the model's HF processor, e.g. "
-                        "'{\"vision_feature_select_strategy\": \"full\"}' (applied to every prompt)")  # fmt: skip
+                        help="keyword arguments for the model's HF processor, as HF takes them, e.g. "
+                        "'{\"max_pixels\": 313600}' for Qwen-VL (applied to every prompt; a request's own go over "
+                        "them key by key; an option the processor does not take is refused)")  # fmt: skip
 
 
 def _mm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
