@@ -41,6 +41,8 @@ def linear_weight_bytes(model: torch.nn.Module) -> int:
             tensors = (module.qweight, module.qscale)
         elif module.packed_weight is not None:
             tensors = (module.packed_weight,)
+        elif module.native_weight is not None:
+            tensors = (module.native_weight,)
         else:
             tensors = (module.weight,)
         total += sum(t.numel() * t.element_size() for t in tensors)

@@ -10,6 +10,9 @@ Int8 weight-only linears (`quantization`) run torch's `aten._weight_int8pack_mm`
 decode steps where a probe finds it exact for the activation dtype, else (and for prefill-sized
 inputs, where it is slower) a de-quantized weight and `F.linear`. Group-wise int4 ones: `int4_kernels`.
 
+Float32 linears, and 16-bit ones where oneDNN cannot pack them, run Tessera's own weight-streaming kernel
+(`native_kernels`, built from `csrc/` at setup) where it is built (`linear_kernel` says why per dtype).
+
 `TESSERA_CPU_KERNELS=fallback` (default `auto`) forces `F.linear` (de-quantizing int8/int4 weights) on any
 machine; it is read at each decision, so tests can set it. `ONEDNN_MAX_CPU_ISA=AVX2
 ATEN_CPU_CAPABILITY=avx2` emulates an AVX2-only CPU on a newer one.
@@ -24,9 +27,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import native_kernels
+
 ENV = "TESSERA_CPU_KERNELS"
 MODES = ("auto", "fallback")
 PACKED, FALLBACK = "onednn-packed", "fallback (F.linear)"
+NATIVE = "native"  # tessera/layers/csrc's weight-streaming kernel (native_kernels.gemv)
 DEQUANT = "fallback (de-quantize + F.linear)"
 INT8_MM = "int8-weight-pack-mm"
 
@@ -126,15 +132,27 @@ def int8_kernel(dtype: torch.dtype, mode: Optional[str] = None) -> str:
 
 
 def linear_kernel(dtype: torch.dtype, mode: Optional[str] = None) -> str:
-    """PACKED or FALLBACK: the kernel a CPU `Linear` of `dtype` runs after `pack_linears_for_cpu`."""
-    if kernel_mode(mode) == "fallback" or dtype not in (torch.float32, torch.bfloat16):
+    """NATIVE, PACKED or FALLBACK: the kernel a CPU `Linear` of `dtype` runs after `pack_linears_for_cpu`.
+
+    Measured (benchmarks/bench_gemv.py, 2-core Zen 4, and the same forced to AVX2): the native kernel reads
+    float32 weights 1.2-1.9x faster than oneDNN's packed linear for 1-64 rows (0.9x at 256, prefill); 16-bit
+    weights it widens in registers, 1.2-4.6x F.linear's rate at every row count where oneDNN cannot pack them
+    (AVX2-only CPUs), but where oneDNN packs bfloat16 its bf16 dot products beat the widening from 8 rows on
+    (0.5-0.9x), so bfloat16 stays on oneDNN there."""
+    if kernel_mode(mode) == "fallback" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return FALLBACK
+    if (dtype == torch.float32 or not onednn_packs(dtype)) and native_kernels.available():
+        return NATIVE
     return PACKED if onednn_packs(dtype) else FALLBACK
 
 
 def describe_cpu_kernels(mode: Optional[str] = None) -> str:
     """One line for the start-up log, e.g.
     "CPU kernels (auto): capability AVX2, linear float32=onednn-packed bfloat16=fallback (F.linear)"."""
-    dtypes = (torch.float32, torch.bfloat16)
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
     linear = " ".join(f"{str(d).removeprefix('torch.')}={linear_kernel(d, mode)}" for d in dtypes)
-    return f"CPU kernels ({kernel_mode(mode)}): capability {torch.backends.cpu.get_cpu_capability()}, linear {linear}"
+    native = native_kernels.describe()
+    return (
+        f"CPU kernels ({kernel_mode(mode)}): capability {torch.backends.cpu.get_cpu_capability()}, linear {linear}; "
+        f"native: {native}"
+    )

@@ -1,10 +1,11 @@
-"""Linear layers: a oneDNN-packed fast path on CPU, and fused projections.
+"""Linear layers: packed fast paths on CPU, and fused projections.
 
-On CPU, oneDNN with the weight reordered once into its blocked layout runs the small matmuls of
-decode steps ~1.7x (and large prefill ones ~1.4x) faster than the default BLAS call. The engine
-packs its model's linears after loading (`pack_linears_for_cpu`); the model code is unchanged.
-Only dtypes this CPU can pack are packed (`cpu_kernels`: e.g. no bfloat16 on AVX2-only CPUs); the
-others, or all under `TESSERA_CPU_KERNELS=fallback`, keep their dense weight and run `F.linear`.
+On CPU the engine re-packs its model's linears once after loading (`pack_linears_for_cpu`; the model
+code is unchanged) for the kernel `cpu_kernels.linear_kernel` picks per dtype: Tessera's native
+weight-streaming kernel (`native_kernels`: float32, and 16-bit weights oneDNN cannot pack), or oneDNN
+with the weight in its blocked layout (bfloat16 where the CPU packs it: ~1.7x the default BLAS call in
+decode, ~1.4x in prefill). Other dtypes, or all under `TESSERA_CPU_KERNELS=fallback`, keep their dense
+weight and run `F.linear`.
 
 A `Linear` quantized at load (`quantization.quantize_linears`) holds `qweight` and `qscale` buffers
 instead of its float weight: int8 [out, in] values and a scale per output channel (`cpu_kernels.int8_linear`),
@@ -30,12 +31,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import divide, get_tp_group
-from .cpu_kernels import PACKED, int8_linear, kernel_mode, linear_kernel, pack_weight, packed_linear
+from . import native_kernels
+from .cpu_kernels import NATIVE, PACKED, int8_linear, kernel_mode, linear_kernel, pack_weight, packed_linear
 from .int4_kernels import int4_linear
 
 
 class Linear(nn.Linear):
     packed_weight: Optional[torch.Tensor] = None
+    """oneDNN's blocked layout of the weight (`cpu_kernels.pack_weight`), once packed."""
+    native_weight: Optional[torch.Tensor] = None
+    """The weight as Tessera's native kernel streams it ([out / 16, in, 16], `native_kernels.pack_gemv_weight`)."""
     quantization: Optional[str] = None
     """"int8" or "int4" once quantized (`qweight` / `qscale` hold the weight), else None."""
     quant_mm: bool = False
@@ -54,6 +59,10 @@ class Linear(nn.Linear):
                 out = int4_linear(flat, self.qweight, self.qscale, self.bias, self.quant_mm, self.out_features)
             else:
                 out = int8_linear(flat, self.qweight, self.qscale, self.bias, self.quant_mm)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        if self.native_weight is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            out = native_kernels.gemv(flat, self.native_weight, self.out_features, self.bias)
             return out.view(*x.shape[:-1], out.shape[-1])
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
@@ -123,9 +132,9 @@ class RowParallelLinear(Linear):
 
 
 def pack_linears_for_cpu(model: nn.Module, batch_size_hint: int = 16, mode: Optional[str] = None) -> int:
-    """Reorder every CPU `Linear` weight whose dtype this CPU packs (`cpu_kernels.linear_kernel`;
-    `mode` "auto"/"fallback" overrides $TESSERA_CPU_KERNELS) for oneDNN and drop the dense copy (kept
-    when another module shares it, e.g. tied embeddings). Returns how many layers were packed.
+    """Reorder every CPU `Linear` weight for the kernel `cpu_kernels.linear_kernel` picks for its dtype
+    (`mode` "auto"/"fallback" overrides $TESSERA_CPU_KERNELS): Tessera's native kernel or oneDNN, and drop
+    the dense copy (kept when another module shares it, e.g. tied embeddings). Returns how many layers were packed.
     The model is for inference afterwards: its packed linears no longer hold dense weights."""
     mode = kernel_mode(mode)  # read $TESSERA_CPU_KERNELS once; a typo raises even with no Linear
     users: dict[int, int] = {}
@@ -138,9 +147,13 @@ def pack_linears_for_cpu(model: nn.Module, batch_size_hint: int = 16, mode: Opti
             continue
         if module.qweight is not None:  # int8/int4 weight-only: their own kernels
             continue
-        if linear_kernel(weight.dtype, mode) != PACKED:
+        kernel = linear_kernel(weight.dtype, mode)
+        if kernel == NATIVE:
+            module.native_weight = native_kernels.pack_gemv_weight(weight)
+        elif kernel == PACKED:
+            module.packed_weight = pack_weight(weight, batch_size_hint)
+        else:
             continue
-        module.packed_weight = pack_weight(weight, batch_size_hint)
         if users[id(weight)] == 1:
             module.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         packed += 1

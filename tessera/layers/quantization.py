@@ -142,7 +142,8 @@ def quantize_linears(
         if any(name == prefix or name.startswith(prefix + ".") for prefix in skip):
             continue
         weight = module.weight
-        if weight is None or not weight.is_floating_point() or weight.dim() != 2 or module.packed_weight is not None:
+        packed = module.packed_weight is not None or module.native_weight is not None
+        if weight is None or not weight.is_floating_point() or weight.dim() != 2 or packed:
             continue
         kernel = quantize(module, weight, mode)
         if kernel is None:

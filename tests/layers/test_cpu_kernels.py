@@ -7,15 +7,31 @@ import os
 import pytest
 import torch
 
-from tessera.layers.cpu_kernels import ENV, FALLBACK, PACKED, describe_cpu_kernels, linear_kernel, onednn_packs
+from tessera.layers import native_kernels
+from tessera.layers.cpu_kernels import (
+    ENV,
+    FALLBACK,
+    NATIVE,
+    PACKED,
+    describe_cpu_kernels,
+    linear_kernel,
+    onednn_packs,
+)
 
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def auto_kernel(dtype: torch.dtype) -> str:
+    """The native kernel for float32, and for 16-bit weights oneDNN cannot pack; else oneDNN where it packs."""
+    if native_kernels.available() and (dtype == torch.float32 or not onednn_packs(dtype)):
+        return NATIVE
+    return PACKED if onednn_packs(dtype) else FALLBACK
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_auto_follows_the_probe_and_fallback_overrides_it(monkeypatch, dtype):
     monkeypatch.delenv(ENV, raising=False)
-    auto = PACKED if onednn_packs(dtype) else FALLBACK
+    auto = auto_kernel(dtype)
     assert linear_kernel(dtype) == linear_kernel(dtype, "auto") == auto
     monkeypatch.setenv(ENV, "fallback")
     assert linear_kernel(dtype) == FALLBACK
@@ -26,7 +42,7 @@ def test_auto_follows_the_probe_and_fallback_overrides_it(monkeypatch, dtype):
 
 def test_other_dtypes_fall_back(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
-    assert linear_kernel(torch.float16) == FALLBACK
+    assert linear_kernel(torch.float64) == FALLBACK
 
 
 AVX2_EMULATION = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2"
@@ -53,4 +69,4 @@ def test_describe_names_the_capability_and_each_dtype(monkeypatch):
     assert f"float32={linear_kernel(torch.float32)} bfloat16={linear_kernel(torch.bfloat16)}" in line
     monkeypatch.setenv(ENV, "fallback")
     line = describe_cpu_kernels()
-    assert line.startswith("CPU kernels (fallback): ") and PACKED not in line
+    assert line.startswith("CPU kernels (fallback): ") and PACKED not in line and f"={NATIVE}" not in line

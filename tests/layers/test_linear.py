@@ -1,4 +1,5 @@
-"""oneDNN-packed linears (where this CPU packs the dtype), the F.linear fallback, and fused projections."""
+"""Packed linears (Tessera's native kernel or oneDNN, whichever `linear_kernel` picks for the dtype on this
+CPU), the F.linear fallback, and fused projections."""
 
 from __future__ import annotations
 
@@ -7,43 +8,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.layers.cpu_kernels import ENV, onednn_packs
+from tessera.layers import native_kernels
+from tessera.layers.cpu_kernels import ENV, FALLBACK, NATIVE, PACKED, linear_kernel, onednn_packs
 from tessera.layers.linear import Linear, MergedLinear, pack_linears_for_cpu
+
+DTYPES = [(torch.float32, 1e-4), (torch.bfloat16, 5e-2), (torch.float16, 5e-3)]
 
 
 @pytest.mark.parametrize("mode", ["auto", "fallback"], ids=["packed", "fallback"])
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("dtype, atol", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_linear_computes_the_same_as_dense(monkeypatch, mode, dtype, atol, rows):
     monkeypatch.setenv(ENV, mode)
-    if mode == "auto" and not onednn_packs(dtype):
+    kernel = linear_kernel(dtype)
+    if mode == "auto" and kernel == FALLBACK:
         cap = torch.backends.cpu.get_cpu_capability()
-        pytest.skip(f"this CPU ({cap}) cannot pack {dtype} for oneDNN; the fallback case runs it")
+        pytest.skip(f"this CPU ({cap}) packs {dtype} for no kernel; the fallback case runs it")
     torch.manual_seed(0)
     layer = Linear(64, 48, bias=True).to(dtype)
     dense = layer.weight.detach().clone()
     x = torch.randn(2, rows, 64, dtype=dtype)
-    expected = F.linear(x, layer.weight, layer.bias)
+    expected = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(dtype)
     if mode == "auto":
         assert pack_linears_for_cpu(layer) == 1
         assert layer.weight.numel() == 0  # the dense copy is dropped
+        assert (layer.native_weight is not None) == (kernel == NATIVE)
+        assert (layer.packed_weight is not None) == (kernel == PACKED)
         torch.testing.assert_close(layer(x), expected, atol=atol, rtol=0)
     else:
         assert pack_linears_for_cpu(layer) == 0
-        assert layer.packed_weight is None and torch.equal(layer.weight, dense)
-        assert torch.equal(layer(x), expected)
+        assert layer.packed_weight is None and layer.native_weight is None and torch.equal(layer.weight, dense)
+        assert torch.equal(layer(x), F.linear(x, dense, layer.bias))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packing_follows_the_probe(monkeypatch, dtype):
-    """Where the probe says no (bfloat16 on AVX2-only CPUs), nothing is packed and the layer still works."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packing_follows_the_kernel_choice(monkeypatch, dtype):
+    """float32 runs the native kernel where it is built; 16-bit weights too where oneDNN cannot pack them
+    (bfloat16 on AVX2-only CPUs), else oneDNN; with neither, nothing is packed and the layer still works."""
     monkeypatch.delenv(ENV, raising=False)
+    native = native_kernels.available()
+    expected_kernel = NATIVE if native and (dtype == torch.float32 or not onednn_packs(dtype)) else (
+        PACKED if onednn_packs(dtype) else FALLBACK)  # fmt: skip
+    assert linear_kernel(dtype) == expected_kernel
     torch.manual_seed(0)
     layer = Linear(32, 16, bias=False).to(dtype)
     x = torch.randn(5, 32, dtype=dtype)
-    expected = F.linear(x, layer.weight)
-    assert pack_linears_for_cpu(layer) == int(onednn_packs(dtype))
-    torch.testing.assert_close(layer(x), expected, atol=5e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
+    expected = F.linear(x.float(), layer.weight.float()).to(dtype)
+    assert pack_linears_for_cpu(layer) == int(expected_kernel != FALLBACK)
+    torch.testing.assert_close(layer(x), expected, atol=5e-2 if dtype != torch.float32 else 1e-4, rtol=0)
 
 
 def test_fallback_runs_a_bfloat16_model(monkeypatch):

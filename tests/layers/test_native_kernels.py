@@ -10,7 +10,8 @@ import torch
 from tessera.layers import native_kernels as nk
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SHAPES = [(1, 5, 3), (1, 16, 32), (2, 33, 17), (3, 40, 100), (8, 64, 576), (9, 70, 31), (17, 48, 64)]  # (M, N, K)
+SHAPES = [(1, 5, 3), (1, 16, 32), (2, 33, 17), (3, 40, 100), (8, 64, 576), (9, 70, 31), (17, 48, 64), (40, 100, 64),
+          (7, 200, 33), (1, 1000, 20)]  # (M, N, K): tails of rows, blocks and panels
 
 
 def isa_paths() -> list[int]:

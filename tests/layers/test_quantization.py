@@ -14,6 +14,7 @@ from tessera.layers.cpu_kernels import (
     ENV,
     INT8_MM,
     INT8_MM_MAX_ROWS,
+    NATIVE,
     PACKED,
     int8_kernel,
     int8_mm_works,
@@ -131,9 +132,9 @@ def test_skipped_parts_stay_float_and_a_tied_lm_head_keeps_the_embedding():
     assert model.qkv.qweight.shape == (64, 32) and model.qkv.weight.numel() == 0
     assert model.lm_head.qweight.shape == (50, 32)
     assert model.lm_head.weight is model.embed.weight and torch.equal(model.embed.weight, embedding)
-    packs = linear_kernel(torch.float32, "auto") == PACKED
+    packs = linear_kernel(torch.float32, "auto") in (PACKED, NATIVE)
     assert pack_linears_for_cpu(model, mode="auto") == packs  # only the float vision linear; quantized ones stay int8
-    assert model.qkv.qweight is not None and model.qkv.packed_weight is None
+    assert model.qkv.qweight is not None and model.qkv.packed_weight is None and model.qkv.native_weight is None
     assert quantize_linears(model, None) == 0
     assert quantize_linears(model, "int8") == (0 if packs else 1)  # quantized ones once; a packed one never
 

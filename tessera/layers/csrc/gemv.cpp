@@ -61,107 +61,112 @@ AVX2 inline __m256 load8_256<c10::Half>(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// ---- one block of 16 outputs ------------------------------------------------------------------------
+// ---- micro-kernels: MR rows of x times NB blocks of 16 outputs, over all of K -----------------------------
+// Each weight vector is loaded (and widened) once and multiplied by a broadcast of x[m, k] for every row m:
+// MR x NB accumulator vectors. AVX-512: up to 6 rows x 4 blocks (24 accumulators); AVX2 (16 registers): up to
+// 6 rows x 1 block (two vectors of 8).
 
 constexpr int kBlock = 16;
+constexpr int kMaxRows = 6;
 
-template <typename W>
-AVX512 inline __m512 load_block512(const W* p) { return load16_512<W>(p, 0xFFFF); }
-
-template <typename W, int MB>
-AVX512 void block_avx512(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t nvalid) {
-  constexpr int U = MB == 1 ? 4 : MB == 2 ? 2 : 1;  // independent chains for few rows of x
-  __m512 acc[U][MB];
-  for (int u = 0; u < U; ++u)
-    for (int m = 0; m < MB; ++m) acc[u][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + U <= K; k += U)
-    for (int u = 0; u < U; ++u) {
-      const __m512 wv = load_block512<W>(w + (k + u) * kBlock);
-      for (int m = 0; m < MB; ++m) acc[u][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k + u]), wv, acc[u][m]);
+template <typename W, int MR, int NB>
+AVX512 void tile_avx512(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t nvalid) {
+  __m512 acc[MR][NB];
+  #pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+    #pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int64_t stride = K * kBlock;  // from one block to the next
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NB];
+    #pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) wv[j] = load16_512<W>(w + j * stride + k * kBlock, 0xFFFF);
+    #pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+      #pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
     }
-  for (; k < K; ++k) {
-    const __m512 wv = load_block512<W>(w + k * kBlock);
-    for (int m = 0; m < MB; ++m) acc[0][m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wv, acc[0][m]);
   }
-  const __mmask16 mask = nvalid >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << nvalid) - 1);
-  for (int m = 0; m < MB; ++m) {
-    __m512 sum = acc[0][m];
-    for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][m]);
-    _mm512_mask_storeu_ps(y + m * ldy, mask, sum);
+  #pragma GCC unroll 8
+  for (int j = 0; j < NB; ++j) {
+    const int64_t left = nvalid - j * kBlock;
+    const __mmask16 mask = left >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    #pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + j * kBlock, mask, acc[m][j]);
   }
 }
 
-template <typename W, int MB>
-AVX2 void block_avx2(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t nvalid) {
-  constexpr int U = MB == 1 ? 2 : 1;
-  __m256 lo[U][MB], hi[U][MB];
-  for (int u = 0; u < U; ++u)
-    for (int m = 0; m < MB; ++m) lo[u][m] = hi[u][m] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + U <= K; k += U)
-    for (int u = 0; u < U; ++u) {
-      const W* p = w + (k + u) * kBlock;
-      const __m256 wl = load8_256<W>(p), wh = load8_256<W>(p + 8);
-      for (int m = 0; m < MB; ++m) {
-        const __m256 xv = _mm256_set1_ps(x[m * K + k + u]);
-        lo[u][m] = _mm256_fmadd_ps(xv, wl, lo[u][m]);
-        hi[u][m] = _mm256_fmadd_ps(xv, wh, hi[u][m]);
-      }
-    }
-  for (; k < K; ++k) {
+template <typename W, int MR, int NB>
+AVX2 void tile_avx2(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t nvalid) {
+  static_assert(NB == 1, "AVX2 tiles are one block wide");
+  __m256 lo[MR], hi[MR];
+  #pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
     const W* p = w + k * kBlock;
     const __m256 wl = load8_256<W>(p), wh = load8_256<W>(p + 8);
-    for (int m = 0; m < MB; ++m) {
+    #pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
       const __m256 xv = _mm256_set1_ps(x[m * K + k]);
-      lo[0][m] = _mm256_fmadd_ps(xv, wl, lo[0][m]);
-      hi[0][m] = _mm256_fmadd_ps(xv, wh, hi[0][m]);
+      lo[m] = _mm256_fmadd_ps(xv, wl, lo[m]);
+      hi[m] = _mm256_fmadd_ps(xv, wh, hi[m]);
     }
   }
-  for (int m = 0; m < MB; ++m) {
-    __m256 l = lo[0][m], h = hi[0][m];
-    for (int u = 1; u < U; ++u) l = _mm256_add_ps(l, lo[u][m]), h = _mm256_add_ps(h, hi[u][m]);
+  #pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
     alignas(32) float out[kBlock];
-    _mm256_store_ps(out, l);
-    _mm256_store_ps(out + 8, h);
+    _mm256_store_ps(out, lo[m]);
+    _mm256_store_ps(out + 8, hi[m]);
     for (int64_t j = 0; j < nvalid; ++j) y[m * ldy + j] = out[j];
   }
 }
 
-template <typename W>
-using BlockFn = void (*)(const float*, int64_t, const W*, float*, int64_t, int64_t);
-
-template <typename W, int MB>
-BlockFn<W> block_fn_of(int64_t isa) {
-  return isa == kAvx512 ? block_avx512<W, MB> : block_avx2<W, MB>;
-}
+// ---- dispatch and the loop over tiles ----------------------------------------------------------------
 
 template <typename W>
-BlockFn<W> block_fn(int64_t isa, int mb) {
-  switch (mb) {
-    case 1: return block_fn_of<W, 1>(isa);
-    case 2: return block_fn_of<W, 2>(isa);
-    case 3: return block_fn_of<W, 3>(isa);
-    case 4: return block_fn_of<W, 4>(isa);
-    case 5: return block_fn_of<W, 5>(isa);
-    case 6: return block_fn_of<W, 6>(isa);
-    case 7: return block_fn_of<W, 7>(isa);
-    default: return block_fn_of<W, 8>(isa);
+using TileFn = void (*)(const float*, int64_t, const W*, float*, int64_t, int64_t);
+
+template <typename W, int MR>
+TileFn<W> tile_of(int64_t isa, int nb) {
+  if (isa != kAvx512) return tile_avx2<W, MR, 1>;
+  switch (nb) {
+    case 1: return tile_avx512<W, MR, 1>;
+    case 2: return tile_avx512<W, MR, 2>;
+    case 3: return tile_avx512<W, MR, 3>;
+    default: return tile_avx512<W, MR, 4>;
   }
 }
 
-constexpr int kMaxBlockRows = 8;
+template <typename W>
+TileFn<W> tile_fn(int64_t isa, int mr, int nb) {
+  switch (mr) {
+    case 1: return tile_of<W, 1>(isa, nb);
+    case 2: return tile_of<W, 2>(isa, nb);
+    case 3: return tile_of<W, 3>(isa, nb);
+    case 4: return tile_of<W, 4>(isa, nb);
+    case 5: return tile_of<W, 5>(isa, nb);
+    default: return tile_of<W, 6>(isa, nb);
+  }
+}
 
 template <typename W>
-void packed_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t isa) {
+void matmul_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t isa) {
   const int64_t blocks = (N + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t nvalid = std::min<int64_t>(kBlock, N - b * kBlock);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxBlockRows) {
-        const int mb = static_cast<int>(std::min<int64_t>(kMaxBlockRows, M - m0));
-        block_fn<W>(isa, mb)(x + m0 * K, K, w + b * K * kBlock, y + m0 * N + b * kBlock, N, nvalid);
-      }
+  const int64_t row_tiles = (M + kMaxRows - 1) / kMaxRows;
+  // Panels of up to 4 blocks (AVX-512), fewer where that would leave threads idle.
+  int64_t panel = isa == kAvx512 ? 4 : 1;
+  while (panel > 1 && (blocks + panel - 1) / panel * row_tiles < 4 * at::get_num_threads()) panel /= 2;
+  const int64_t panels = (blocks + panel - 1) / panel;
+  // Work items panel-major: the row tiles of one panel follow each other, its weights warm in cache.
+  at::parallel_for(0, panels * row_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p = i / row_tiles, t = i % row_tiles;
+      const int64_t b0 = p * panel, m0 = t * kMaxRows;
+      const int nb = static_cast<int>(std::min<int64_t>(panel, blocks - b0));
+      const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+      const int64_t n0 = b0 * kBlock;
+      tile_fn<W>(isa, mr, nb)(x + m0 * K, K, w + b0 * K * kBlock, y + m0 * N + n0, N, std::min<int64_t>(nb * kBlock, N - n0));
     }
   });
 }
@@ -179,13 +184,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t N, const 
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   switch (w.scalar_type()) {
     case at::kFloat:
-      packed_impl<float>(x32.data_ptr<float>(), M, K, w.data_ptr<float>(), N, y.data_ptr<float>(), isa);
+      matmul_impl<float>(x32.data_ptr<float>(), M, K, w.data_ptr<float>(), N, y.data_ptr<float>(), isa);
       break;
     case at::kBFloat16:
-      packed_impl<c10::BFloat16>(x32.data_ptr<float>(), M, K, w.data_ptr<c10::BFloat16>(), N, y.data_ptr<float>(), isa);
+      matmul_impl<c10::BFloat16>(x32.data_ptr<float>(), M, K, w.data_ptr<c10::BFloat16>(), N, y.data_ptr<float>(), isa);
       break;
     case at::kHalf:
-      packed_impl<c10::Half>(x32.data_ptr<float>(), M, K, w.data_ptr<c10::Half>(), N, y.data_ptr<float>(), isa);
+      matmul_impl<c10::Half>(x32.data_ptr<float>(), M, K, w.data_ptr<c10::Half>(), N, y.data_ptr<float>(), isa);
       break;
     default:
       TORCH_CHECK(false, "tessera::gemv: weight dtype ", w.scalar_type(), " is not float32, bfloat16 or float16");
