@@ -1,4 +1,5 @@
-"""The weight-streaming GEMV of decode steps (tessera/layers/csrc/gemv.cpp) against oneDNN's packed linear
+"""Tessera's native linear kernels (tessera/layers/csrc/gemv.cpp: float32 / widened 16-bit weights per ISA,
+and bfloat16 pairs by AVX512-BF16 dot products where the CPU has them) against oneDNN's packed linear
 (what the engine's linears run today) and F.linear, side by side in one process: the realistic LLaVA's
 language model's linears (SmolLM2-135M shape: 30 layers of q/k/v, o, gate/up, down, distinct weights, so
 nothing stays in cache), for 1 to 16 rows of x. Prints each one's read rate (weight bytes / time) and its
@@ -49,15 +50,23 @@ def main() -> None:
         weights = [torch.randn(n, k).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
         nbytes = sum(w.numel() * w.element_size() for w in weights)
         native = [nk.pack_gemv_weight(w) for w in weights]
+        pairs = [nk.pack_bf16dot_weight(w) for w in weights] if dtype == torch.bfloat16 and nk.has_bf16_dot() else None
         onednn = [pack_weight(w, 16) for w in weights] if onednn_packs(dtype) else None
         for rows in args.rows:
             xs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}
-            kernels = {f"native {nk.ISA_NAMES[isa]}": (lambda isa=isa: [
-                torch.ops.tessera.gemv(xs[w.shape[1]], p, w.shape[0], None, isa) for w, p in zip(weights, native)])
-                for isa in isas}  # fmt: skip
+
+            def each(kernel, packed):  # every layer's product, as one step runs them
+                return lambda: [kernel(xs[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, packed)]
+
+            def widening(isa):
+                return each(lambda x, p, n: torch.ops.tessera.gemv(x, p, n, None, isa), native)
+
+            kernels = {f"native {nk.ISA_NAMES[isa]}": widening(isa) for isa in isas}
+            if pairs is not None:
+                kernels["native bf16-dot"] = each(nk.gemv_bf16dot, pairs)
             if onednn is not None:
-                kernels["oneDNN packed"] = lambda: [packed_linear(xs[w.shape[1]], p, None) for w, p in zip(weights, onednn)]
-            kernels["F.linear"] = lambda: [F.linear(xs[w.shape[1]], w) for w in weights]
+                kernels["oneDNN packed"] = each(lambda x, p, n: packed_linear(x, p, None), onednn)
+            kernels["F.linear"] = each(lambda x, w, n: F.linear(x, w), weights)
             rates = {name: [] for name in kernels}
             for _ in range(args.runs):  # rounds alternate the kernels, so drift hits each alike
                 for name, fn in kernels.items():
@@ -66,7 +75,8 @@ def main() -> None:
             cells = ", ".join(f"{name} {rate / 1e9:.1f} ({rate / bandwidth:.2f})" for name, rate in medians.items())
             base = medians.get("oneDNN packed", medians["F.linear"])
             best = max(v for name, v in medians.items() if name.startswith("native"))
-            print(f"{str(dtype).removeprefix('torch.'):>8} x {rows:>2} rows: {cells}; best native / baseline {best / base:.2f}x")
+            name = str(dtype).removeprefix("torch.")
+            print(f"{name:>8} x {rows:>2} rows: {cells}; best native / baseline {best / base:.2f}x")
 
 
 if __name__ == "__main__":

@@ -137,11 +137,14 @@ def linear_kernel(dtype: torch.dtype, mode: Optional[str] = None) -> str:
     Measured (benchmarks/bench_gemv.py, 2-core Zen 4, and the same forced to AVX2): the native kernel reads
     float32 weights 1.2-1.9x faster than oneDNN's packed linear for 1-64 rows (0.9x at 256, prefill); 16-bit
     weights it widens in registers, 1.2-4.6x F.linear's rate at every row count where oneDNN cannot pack them
-    (AVX2-only CPUs), but where oneDNN packs bfloat16 its bf16 dot products beat the widening from 8 rows on
-    (0.5-0.9x), so bfloat16 stays on oneDNN there."""
+    (AVX2-only CPUs); where oneDNN packs bfloat16 its bf16 dot products beat the widening from 8 rows on
+    (0.5-0.9x), so bfloat16 runs the native kernel there only where it has bf16 dot products too (AVX512-BF16),
+    else oneDNN."""
     if kernel_mode(mode) == "fallback" or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return FALLBACK
-    if (dtype == torch.float32 or not onednn_packs(dtype)) and native_kernels.available():
+    if native_kernels.available() and (
+        dtype == torch.float32 or not onednn_packs(dtype) or (dtype == torch.bfloat16 and native_kernels.has_bf16_dot())
+    ):
         return NATIVE
     return PACKED if onednn_packs(dtype) else FALLBACK
 

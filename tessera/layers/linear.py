@@ -40,7 +40,7 @@ class Linear(nn.Linear):
     packed_weight: Optional[torch.Tensor] = None
     """oneDNN's blocked layout of the weight (`cpu_kernels.pack_weight`), once packed."""
     native_weight: Optional[torch.Tensor] = None
-    """The weight as Tessera's native kernel streams it ([out / 16, in, 16], `native_kernels.pack_gemv_weight`)."""
+    """The weight as Tessera's native kernel streams it (`native_kernels.pack`)."""
     quantization: Optional[str] = None
     """"int8" or "int4" once quantized (`qweight` / `qscale` hold the weight), else None."""
     quant_mm: bool = False
@@ -62,7 +62,7 @@ class Linear(nn.Linear):
             return out.view(*x.shape[:-1], out.shape[-1])
         if self.native_weight is not None:
             flat = x.reshape(-1, x.shape[-1])
-            out = native_kernels.gemv(flat, self.native_weight, self.out_features, self.bias)
+            out = native_kernels.linear(flat, self.native_weight, self.out_features, self.bias)
             return out.view(*x.shape[:-1], out.shape[-1])
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
@@ -149,7 +149,7 @@ def pack_linears_for_cpu(model: nn.Module, batch_size_hint: int = 16, mode: Opti
             continue
         kernel = linear_kernel(weight.dtype, mode)
         if kernel == NATIVE:
-            module.native_weight = native_kernels.pack_gemv_weight(weight)
+            module.native_weight = native_kernels.pack(weight)
         elif kernel == PACKED:
             module.packed_weight = pack_weight(weight, batch_size_hint)
         else:

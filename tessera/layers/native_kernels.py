@@ -124,6 +124,40 @@ def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
 
 
+def has_bf16_dot() -> bool:
+    """Whether this CPU multiplies bfloat16 pairs (AVX512-BF16: Zen 4, Intel since Cooper Lake) on the AVX-512
+    path (ATEN_CPU_CAPABILITY=avx2 turns it off with the rest of AVX-512)."""
+    return cpu_isa() == ISA_AVX512 and "avx512_bf16" in _cpu_flags() and available()
+
+
+def pack_bf16dot_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A dense bfloat16 [N, K] weight -> the layout `gemv_bf16dot` streams: [ceil(N / 16), ceil(K / 2), 16, 2],
+    at each pair of k the 16 outputs' two weights side by side (zeros past N and K)."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k + k % 2, dtype=torch.bfloat16)
+    padded[:n, :k] = weight.detach()
+    return padded.view(-1, BLOCK, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gemv_bf16dot(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] (rounded to bfloat16) @ a `pack_bf16dot_weight` weight of `n` outputs (+ bias) -> [M, n] in x's
+    dtype: pairs of bfloat16 products added into float32 (AVX512-BF16), as oneDNN's bfloat16 kernels do."""
+    return torch.ops.tessera.gemv_bf16dot(x, packed, n, bias)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A dense [N, K] weight in the layout its best kernel here streams: bfloat16 pairs where the CPU has bf16
+    dot products, else blocks of 16 outputs (`linear` tells them apart by their rank)."""
+    if weight.dtype == torch.bfloat16 and has_bf16_dot():
+        return pack_bf16dot_weight(weight)
+    return pack_gemv_weight(weight)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ a `pack`ed weight of `n` outputs (+ bias) -> [M, n] in x's dtype."""
+    return gemv_bf16dot(x, packed, n, bias) if packed.dim() == 4 else gemv(x, packed, n, bias)
+
+
 def gemv(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] @ the packed weight of `n` outputs (+ bias) -> [M, n] in x's dtype; products and sums in float32
     whatever the weight's dtype (float32, bfloat16 or float16). Fastest for the few rows of decode steps."""

@@ -44,11 +44,13 @@ def test_linear_computes_the_same_as_dense(monkeypatch, mode, dtype, atol, rows)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_packing_follows_the_kernel_choice(monkeypatch, dtype):
     """float32 runs the native kernel where it is built; 16-bit weights too where oneDNN cannot pack them
-    (bfloat16 on AVX2-only CPUs), else oneDNN; with neither, nothing is packed and the layer still works."""
+    (bfloat16 on AVX2-only CPUs) and bfloat16 where the CPU has bf16 dot products, else oneDNN; with neither,
+    nothing is packed and the layer still works."""
     monkeypatch.delenv(ENV, raising=False)
-    native = native_kernels.available()
-    expected_kernel = NATIVE if native and (dtype == torch.float32 or not onednn_packs(dtype)) else (
-        PACKED if onednn_packs(dtype) else FALLBACK)  # fmt: skip
+    native = native_kernels.available() and (
+        dtype == torch.float32 or not onednn_packs(dtype) or (dtype == torch.bfloat16 and native_kernels.has_bf16_dot())
+    )
+    expected_kernel = NATIVE if native else PACKED if onednn_packs(dtype) else FALLBACK
     assert linear_kernel(dtype) == expected_kernel
     torch.manual_seed(0)
     layer = Linear(32, 16, bias=False).to(dtype)

@@ -71,3 +71,29 @@ def test_gemv_without_bias_and_refusals():
         nk.gemv(torch.randn(2, 9), nk.pack_gemv_weight(w), 20)  # K does not match
     with pytest.raises(RuntimeError, match="dtype"):
         nk.gemv(x, nk.pack_gemv_weight(w).to(torch.float64), 20)
+
+
+def test_the_bf16_pair_layout_puts_each_k_pair_of_16_outputs_side_by_side():
+    w = torch.arange(20 * 5, dtype=torch.float32).view(20, 5).bfloat16()  # small integers: exact in bfloat16
+    packed = nk.pack_bf16dot_weight(w)
+    assert packed.shape == (2, 3, 16, 2)  # 20 outputs -> 2 blocks, 5 inputs -> 3 pairs (a zero past K)
+    for row in range(32):
+        for k in range(6):
+            expected = w[row, k] if row < 20 and k < 5 else 0
+            assert packed[row // 16, k // 2, row % 16, k % 2] == expected
+
+
+@pytest.mark.skipif(not nk.has_bf16_dot(), reason="this CPU (or ATEN_CPU_CAPABILITY) has no AVX512-BF16")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gemv_bf16dot_is_x_times_w_transposed(shape):
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(m * 1000 + n * 10 + k)
+    x, w = torch.randn(m, k, generator=gen).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    exact = x.double() @ w.double().T + bias.double()
+    # each instruction adds two exact products to a float32 sum (one rounding per pair, denormals flushed),
+    # then the output rounds to bfloat16
+    bound = (k + 1) * 2**-24 * (x.double().abs() @ w.double().abs().T + bias.double().abs()) + 2**-8 * exact.abs()
+    y = nk.gemv_bf16dot(x, nk.pack_bf16dot_weight(w), n, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert ((y.double() - exact).abs() <= bound + 1e-30).all(), (y.double() - exact).abs().max()

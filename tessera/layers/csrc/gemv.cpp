@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -124,12 +125,12 @@ AVX2 void tile_avx2(const float* x, int64_t K, const W* w, float* y, int64_t ldy
 
 // ---- dispatch and the loop over tiles ----------------------------------------------------------------
 
-template <typename W>
-using TileFn = void (*)(const float*, int64_t, const W*, float*, int64_t, int64_t);
+template <typename X, typename W>
+using TileFn = void (*)(const X*, int64_t, const W*, float*, int64_t, int64_t);
 
 template <typename W, int MR>
-TileFn<W> tile_of(int64_t isa, int nb) {
-  if (isa != kAvx512) return tile_avx2<W, MR, 1>;
+TileFn<float, W> tile_of(int64_t isa, int nb) {
+  if (isa == kAvx2) return tile_avx2<W, MR, 1>;
   switch (nb) {
     case 1: return tile_avx512<W, MR, 1>;
     case 2: return tile_avx512<W, MR, 2>;
@@ -139,7 +140,7 @@ TileFn<W> tile_of(int64_t isa, int nb) {
 }
 
 template <typename W>
-TileFn<W> tile_fn(int64_t isa, int mr, int nb) {
+TileFn<float, W> tile_fn(int64_t isa, int mr, int nb) {
   switch (mr) {
     case 1: return tile_of<W, 1>(isa, nb);
     case 2: return tile_of<W, 2>(isa, nb);
@@ -150,12 +151,15 @@ TileFn<W> tile_fn(int64_t isa, int mr, int nb) {
   }
 }
 
-template <typename W>
-void matmul_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t isa) {
+// The loop over tiles. x [M, ldx] (ldx: its row stride in X elements), the packed weight `block_stride`
+// elements a block, y [M, N]; `tile(mr, nb)` gives the micro-kernel of mr rows by nb blocks.
+template <typename X, typename W, typename Select>
+void matmul_tiles(const X* x, int64_t M, int64_t ldx, const W* w, int64_t block_stride, int64_t N, float* y,
+                  int64_t max_panel, Select tile) {
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   const int64_t row_tiles = (M + kMaxRows - 1) / kMaxRows;
-  // Panels of up to 4 blocks (AVX-512), fewer where that would leave threads idle.
-  int64_t panel = isa == kAvx512 ? 4 : 1;
+  // Panels of up to max_panel blocks, fewer where that would leave threads idle.
+  int64_t panel = max_panel;
   while (panel > 1 && (blocks + panel - 1) / panel * row_tiles < 4 * at::get_num_threads()) panel /= 2;
   const int64_t panels = (blocks + panel - 1) / panel;
   // Work items panel-major: the row tiles of one panel follow each other, its weights warm in cache.
@@ -166,9 +170,94 @@ void matmul_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, fl
       const int nb = static_cast<int>(std::min<int64_t>(panel, blocks - b0));
       const int mr = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
       const int64_t n0 = b0 * kBlock;
-      tile_fn<W>(isa, mr, nb)(x + m0 * K, K, w + b0 * K * kBlock, y + m0 * N + n0, N, std::min<int64_t>(nb * kBlock, N - n0));
+      tile(mr, nb)(x + m0 * ldx, ldx, w + b0 * block_stride, y + m0 * N + n0, N,
+                   std::min<int64_t>(nb * kBlock, N - n0));
     }
   });
+}
+
+template <typename W>
+void matmul_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y, int64_t isa) {
+  matmul_tiles(x, M, K, w, K * kBlock, N, y, isa == kAvx512 ? 4 : 1,
+               [isa](int mr, int nb) { return tile_fn<W>(isa, mr, nb); });
+}
+
+// ---- bfloat16 weights and x by bf16 dot products (AVX512-BF16) ---------------------------------------------
+// The weight packed as [N / 16, K2 / 2, 16, 2] (K2: K rounded up to even, zeros past K): at each pair of k the
+// 16 outputs' two weights side by side, as vdpbf16ps takes them; x's two values at those k are broadcast as
+// one 32-bit pair. Each instruction adds two exact products to a float32 accumulator (two multiply-adds a lane,
+// where widening does one), which is what oneDNN's bfloat16 kernels do too.
+
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+template <int MR, int NB>
+AVX512BF16 void tile_bf16dot(const uint16_t* x, int64_t K2, const uint16_t* w, float* y, int64_t ldy, int64_t nvalid) {
+  __m512 acc[MR][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int64_t stride = K2 * kBlock;  // from one block to the next
+  for (int64_t kp = 0; kp < K2 / 2; ++kp) {
+    __m512bh wv[NB];
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * stride + kp * 2 * kBlock);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * K2 + 2 * kp, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NB; ++j) {
+    const int64_t left = nvalid - j * kBlock;
+    const __mmask16 mask = left >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + j * kBlock, mask, acc[m][j]);
+  }
+}
+
+template <int MR>
+TileFn<uint16_t, uint16_t> bf16dot_of(int nb) {
+  switch (nb) {
+    case 1: return tile_bf16dot<MR, 1>;
+    case 2: return tile_bf16dot<MR, 2>;
+    case 3: return tile_bf16dot<MR, 3>;
+    default: return tile_bf16dot<MR, 4>;
+  }
+}
+
+TileFn<uint16_t, uint16_t> bf16dot_fn(int mr, int nb) {
+  switch (mr) {
+    case 1: return bf16dot_of<1>(nb);
+    case 2: return bf16dot_of<2>(nb);
+    case 3: return bf16dot_of<3>(nb);
+    case 4: return bf16dot_of<4>(nb);
+    case 5: return bf16dot_of<5>(nb);
+    default: return bf16dot_of<6>(nb);
+  }
+}
+
+at::Tensor gemv_bf16dot(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2 &&
+                  packed.size(1) == (x.size(1) + 1) / 2 && packed.size(0) * kBlock >= N &&
+                  packed.scalar_type() == at::kBFloat16,
+              "tessera::gemv_bf16dot: x [M, K] and a bfloat16 weight packed as [N / 16, K / 2, 16, 2] expected, got ",
+              x.sizes(), " and ", packed.sizes(), " (", packed.scalar_type(), ")");
+  const int64_t M = x.size(0), K = x.size(1), K2 = packed.size(1) * 2;
+  auto xb = x.to(at::kBFloat16);
+  if (K2 != K) xb = at::constant_pad_nd(xb, {0, K2 - K});  // a zero past K meets the weight's zero
+  xb = xb.contiguous();
+  const auto w = packed.contiguous();
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  matmul_tiles(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K2,
+               reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), K2 * kBlock, N, y.data_ptr<float>(), 4,
+               [](int mr, int nb) { return bf16dot_fn(mr, nb); });
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(at::kFloat));
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
@@ -203,8 +292,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t N, const 
 
 TORCH_LIBRARY(tessera, m) {
   m.def("gemv(Tensor x, Tensor packed, int n, Tensor? bias, int isa) -> Tensor");
+  m.def("gemv_bf16dot(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera, CPU, m) {
   m.impl("gemv", gemv);
+  m.impl("gemv_bf16dot", gemv_bf16dot);
 }
