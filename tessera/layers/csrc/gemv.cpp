@@ -70,51 +70,57 @@ AVX2 inline __m256 load8_256<c10::Half>(const c10::Half* p) {
 constexpr int kBlock = 16;
 constexpr int kMaxRows = 6;
 
+// y[m, 16 j + i] = acc[m][j][i] for the nvalid outputs of the tile (a masked store for the last block).
+template <int MR, int NB>
+AVX512 inline void store_tile(const __m512 (&acc)[MR][NB], float* y, int64_t ldy, int64_t nvalid) {
+#pragma GCC unroll 8
+  for (int j = 0; j < NB; ++j) {
+    const int64_t left = nvalid - j * kBlock;
+    const __mmask16 mask = left >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + j * kBlock, mask, acc[m][j]);
+  }
+}
+
 template <typename W, int MR, int NB>
 AVX512 void tile_avx512(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t nvalid) {
   __m512 acc[MR][NB];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
-    #pragma GCC unroll 8
+  #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   const int64_t stride = K * kBlock;  // from one block to the next
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[NB];
-    #pragma GCC unroll 8
+  #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) wv[j] = load16_512<W>(w + j * stride + k * kBlock, 0xFFFF);
-    #pragma GCC unroll 8
+  #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m512 xv = _mm512_set1_ps(x[m * K + k]);
-      #pragma GCC unroll 8
+#pragma GCC unroll 8
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
     }
   }
-  #pragma GCC unroll 8
-  for (int j = 0; j < NB; ++j) {
-    const int64_t left = nvalid - j * kBlock;
-    const __mmask16 mask = left >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    #pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + j * kBlock, mask, acc[m][j]);
-  }
+  store_tile<MR, NB>(acc, y, ldy, nvalid);
 }
 
 template <typename W, int MR, int NB>
 AVX2 void tile_avx2(const float* x, int64_t K, const W* w, float* y, int64_t ldy, int64_t nvalid) {
   static_assert(NB == 1, "AVX2 tiles are one block wide");
   __m256 lo[MR], hi[MR];
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const W* p = w + k * kBlock;
     const __m256 wl = load8_256<W>(p), wh = load8_256<W>(p + 8);
-    #pragma GCC unroll 8
+  #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m256 xv = _mm256_set1_ps(x[m * K + k]);
       lo[m] = _mm256_fmadd_ps(xv, wl, lo[m]);
       hi[m] = _mm256_fmadd_ps(xv, wh, hi[m]);
     }
   }
-  #pragma GCC unroll 8
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
     alignas(32) float out[kBlock];
     _mm256_store_ps(out, lo[m]);
@@ -188,7 +194,7 @@ void matmul_impl(const float* x, int64_t M, int64_t K, const W* w, int64_t N, fl
 // one 32-bit pair. Each instruction adds two exact products to a float32 accumulator (two multiply-adds a lane,
 // where widening does one), which is what oneDNN's bfloat16 kernels do too.
 
-#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c,avx512bf16")))
 
 template <int MR, int NB>
 AVX512BF16 void tile_bf16dot(const uint16_t* x, int64_t K2, const uint16_t* w, float* y, int64_t ldy, int64_t nvalid) {
@@ -211,13 +217,7 @@ AVX512BF16 void tile_bf16dot(const uint16_t* x, int64_t K2, const uint16_t* w, f
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xv, wv[j]);
     }
   }
-#pragma GCC unroll 8
-  for (int j = 0; j < NB; ++j) {
-    const int64_t left = nvalid - j * kBlock;
-    const __mmask16 mask = left >= kBlock ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-#pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + j * kBlock, mask, acc[m][j]);
-  }
+  store_tile<MR, NB>(acc, y, ldy, nvalid);
 }
 
 template <int MR>
@@ -241,7 +241,8 @@ TileFn<uint16_t, uint16_t> bf16dot_fn(int mr, int nb) {
   }
 }
 
-at::Tensor gemv_bf16dot(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+at::Tensor gemv_bf16dot(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2 &&
                   packed.size(1) == (x.size(1) + 1) / 2 && packed.size(0) * kBlock >= N &&
                   packed.scalar_type() == at::kBFloat16,
@@ -261,7 +262,7 @@ at::Tensor gemv_bf16dot(const at::Tensor& x, const at::Tensor& packed, int64_t N
 }
 
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
-                       int64_t isa) {
+                int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kBlock && packed.size(1) == x.size(1) &&
                   packed.size(0) * kBlock >= N,
               "tessera::gemv: x [M, K] and a packed weight [N / 16, K, 16] expected, got ", x.sizes(), " and ",
