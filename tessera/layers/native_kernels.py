@@ -130,6 +130,13 @@ def has_bf16_dot() -> bool:
     return cpu_isa() == ISA_AVX512 and "avx512_bf16" in _cpu_flags() and available()
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX bfloat16 tiles (Intel since Sapphire Rapids), which oneDNN's bfloat16 kernels
+    use: measured on one, they beat the native bf16 dot products from 4 rows on (5x at 256), so bfloat16 stays
+    on oneDNN there until the native kernels have AMX tiles."""
+    return "amx_bf16" in _cpu_flags()
+
+
 def pack_bf16dot_weight(weight: torch.Tensor) -> torch.Tensor:
     """A dense bfloat16 [N, K] weight -> the layout `gemv_bf16dot` streams: [ceil(N / 16), ceil(K / 2), 16, 2],
     at each pair of k the 16 outputs' two weights side by side (zeros past N and K)."""
@@ -142,20 +149,39 @@ def pack_bf16dot_weight(weight: torch.Tensor) -> torch.Tensor:
 def gemv_bf16dot(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (rounded to bfloat16) @ a `pack_bf16dot_weight` weight of `n` outputs (+ bias) -> [M, n] in x's
     dtype: pairs of bfloat16 products added into float32 (AVX512-BF16), as oneDNN's bfloat16 kernels do."""
+    pairs = (x.shape[-1] + 1) // 2 if x.dim() == 2 else -1
+    _check(x, packed, n, bias, (-(-n // BLOCK), pairs, BLOCK, 2), (torch.bfloat16,))
+    if not has_bf16_dot():
+        raise RuntimeError("gemv_bf16dot needs AVX512-BF16, which this CPU (or ATEN_CPU_CAPABILITY) does not give")
     return torch.ops.tessera.gemv_bf16dot(x, packed, n, bias)
+
+
+def _check(x, packed, n, bias, shape, dtypes) -> None:
+    """Refuse here, in Python, what the op would refuse: a C++ exception does not cross every build of torch
+    (one that a different compiler built crashed on it)."""
+    if x.dim() != 2 or tuple(packed.shape) != shape or packed.dtype not in dtypes or x.device.type != "cpu":
+        raise ValueError(
+            f"native kernels: x [M, K] on the CPU and a packed weight {list(shape)} of {', '.join(map(str, dtypes))} "
+            f"for {n} outputs expected, got x {list(x.shape)} and a weight {list(packed.shape)} of {packed.dtype}"
+        )
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"native kernels: a bias of {n} values expected, got {list(bias.shape)}")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """A dense [N, K] weight in the layout its best kernel here streams: bfloat16 pairs where the CPU has bf16
     dot products, else blocks of 16 outputs (`linear` tells them apart by their rank)."""
-    if weight.dtype == torch.bfloat16 and has_bf16_dot():
+    if weight.dtype == torch.bfloat16 and has_bf16_dot() and not has_amx():
         return pack_bf16dot_weight(weight)
     return pack_gemv_weight(weight)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] @ a `pack`ed weight of `n` outputs (+ bias) -> [M, n] in x's dtype."""
-    return gemv_bf16dot(x, packed, n, bias) if packed.dim() == 4 else gemv(x, packed, n, bias)
+    """x [M, K] @ a `pack`ed weight of `n` outputs (+ bias) -> [M, n] in x's dtype. For the engine's linears,
+    whose shapes hold by construction: no checks on the way (the step calls it ~120 times)."""
+    if packed.dim() == 4:
+        return torch.ops.tessera.gemv_bf16dot(x, packed, n, bias)
+    return torch.ops.tessera.gemv(x, packed, n, bias, cpu_isa())
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -164,6 +190,8 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Ten
     isa = cpu_isa()
     if isa is None:
         raise RuntimeError(_status()[1])
+    k = x.shape[-1] if x.dim() == 2 else -1
+    _check(x, packed, n, bias, (-(-n // BLOCK), k, BLOCK), (torch.float32, torch.bfloat16, torch.float16))
     return torch.ops.tessera.gemv(x, packed, n, bias, isa)
 
 

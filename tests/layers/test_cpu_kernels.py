@@ -24,7 +24,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 def auto_kernel(dtype: torch.dtype) -> str:
     """The native kernel for float32, for 16-bit weights oneDNN cannot pack, and for bfloat16 where the CPU has
     bf16 dot products; else oneDNN where it packs."""
-    bf16_dot = dtype == torch.bfloat16 and native_kernels.has_bf16_dot()
+    bf16_dot = dtype == torch.bfloat16 and native_kernels.has_bf16_dot() and not native_kernels.has_amx()
     if native_kernels.available() and (dtype == torch.float32 or not onednn_packs(dtype) or bf16_dot):
         return NATIVE
     return PACKED if onednn_packs(dtype) else FALLBACK

@@ -48,7 +48,9 @@ def test_packing_follows_the_kernel_choice(monkeypatch, dtype):
     nothing is packed and the layer still works."""
     monkeypatch.delenv(ENV, raising=False)
     native = native_kernels.available() and (
-        dtype == torch.float32 or not onednn_packs(dtype) or (dtype == torch.bfloat16 and native_kernels.has_bf16_dot())
+        dtype == torch.float32
+        or not onednn_packs(dtype)
+        or (dtype == torch.bfloat16 and native_kernels.has_bf16_dot() and not native_kernels.has_amx())
     )
     expected_kernel = NATIVE if native else PACKED if onednn_packs(dtype) else FALLBACK
     assert linear_kernel(dtype) == expected_kernel

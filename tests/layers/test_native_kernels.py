@@ -67,10 +67,12 @@ def test_gemv_without_bias_and_refusals():
     x, w = torch.randn(2, 8), torch.randn(20, 8)
     y = nk.gemv(x, nk.pack_gemv_weight(w), 20)
     assert torch.allclose(y, x @ w.T, atol=1e-5)
-    with pytest.raises(RuntimeError, match="packed weight"):
+    with pytest.raises(ValueError, match="packed weight"):
         nk.gemv(torch.randn(2, 9), nk.pack_gemv_weight(w), 20)  # K does not match
-    with pytest.raises(RuntimeError, match="dtype"):
+    with pytest.raises(ValueError, match="torch.float64"):
         nk.gemv(x, nk.pack_gemv_weight(w).to(torch.float64), 20)
+    with pytest.raises(ValueError, match="bias of 20"):
+        nk.gemv(x, nk.pack_gemv_weight(w), 20, torch.zeros(3))
 
 
 def test_the_bf16_pair_layout_puts_each_k_pair_of_16_outputs_side_by_side():
