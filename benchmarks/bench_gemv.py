@@ -77,6 +77,70 @@ def main() -> None:
             best = max(v for name, v in medians.items() if name.startswith("native"))
             name = str(dtype).removeprefix("torch.")
             print(f"{name:>8} x {rows:>2} rows: {cells}; best native / baseline {best / base:.2f}x")
+    quantized(args.rows, args.runs, bandwidth, isas)
+
+
+def quantized(row_counts: list[int], runs: int, bandwidth: float, isas: list[int]) -> None:
+    """int8 (groups of 32, and per channel) and int4 (groups of 32) weights with bfloat16 scales through the native
+    kernels (int16 dot products: AVX512-VNNI, else AVX2), against the bfloat16 weights' best native kernel and torch's int8 / int4 ops (what the engine ran
+    before), bfloat16 x. Prints ms per pass over all layers, the read rate of the bytes each streams, and the
+    speed-up over bfloat16."""
+    from tessera.layers.int4_kernels import int4_mm, pack_int4
+    from tessera.layers.quantization import quantize_int4, quantize_int8
+
+    weights = [torch.randn(n, k).bfloat16() for _ in range(LAYERS) for n, k in SHAPES]
+    dense = [nk.pack(w) for w in weights]
+    int8, int8_channel, int4, torch_int8, torch_int4 = [], [], [], [], []
+    for w in weights:
+        q, scale = quantize_int8(w, group_size=32)
+        int8.append(nk.pack_int8(q, scale))
+        q, scale = quantize_int8(w)
+        int8_channel.append(nk.pack_int8(q, scale))
+        torch_int8.append((q, scale))
+        q4, scales_and_zeros = quantize_int4(w)
+        int4.append(nk.pack_int4(q4, scales_and_zeros[..., 0].t(), scales_and_zeros[..., 1].t()))
+        torch_int4.append((pack_int4(q4, op_layout=True), scales_and_zeros))
+
+    def nbytes(packs) -> int:
+        return sum(t.numel() * t.element_size() for pack in packs for t in (pack if isinstance(pack, tuple) else (pack,)))
+
+    for rows in row_counts:
+        xs = {k: torch.randn(rows, k).bfloat16() for _, k in SHAPES}
+        kernels = {"bf16 native": (lambda: [nk.linear(xs[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, dense)], dense)}
+        for isa in sorted({nk.ISA_AVX2, nk.quant_isa()}):
+            tag = nk.ISA_NAMES[isa]
+            for name, packs in (("int8/32", int8), ("int8/channel", int8_channel)):
+                kernels[f"{name} {tag}"] = (
+                    lambda packs=packs, isa=isa: [
+                        torch.ops.tessera.gemv_int8(xs[w.shape[1]], q, s, w.shape[0], None, isa)
+                        for w, (q, s) in zip(weights, packs)
+                    ],
+                    packs,
+                )
+            kernels[f"int4/32 {tag}"] = (
+                lambda isa=isa: [
+                    torch.ops.tessera.gemv_int4(xs[w.shape[1]], q, s, w.shape[0], None, isa)
+                    for w, (q, s) in zip(weights, int4)
+                ],
+                int4,
+            )
+        kernels["torch int8 op"] = (
+            lambda: [torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]], q, s) for w, (q, s) in zip(weights, torch_int8)],
+            torch_int8,
+        )
+        kernels["torch int4 op"] = (lambda: [int4_mm(xs[w.shape[1]], q, sz) for w, (q, sz) in zip(weights, torch_int4)], torch_int4)
+        times = {name: [] for name in kernels}
+        for _ in range(runs):
+            for name, (fn, _) in kernels.items():
+                times[name].append(seconds(fn))
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        base = medians["bf16 native"]
+        cells = ", ".join(
+            f"{name} {t * 1e3:.2f} ms {nbytes(kernels[name][1]) / t / 1e9:.1f} GB/s ({nbytes(kernels[name][1]) / t / bandwidth:.2f}) "
+            f"{base / t:.2f}x"
+            for name, t in medians.items()
+        )
+        print(f"quantized x {rows:>2} rows (bf16 x; speed-up over bf16 native): {cells}")
 
 
 if __name__ == "__main__":

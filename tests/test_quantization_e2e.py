@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from tessera import LLM, SamplingParams
-from tessera.layers.cpu_kernels import ENV
-from tessera.layers.int4_kernels import dequantize_int4, int4_layout, int4_mm_works
+from tessera.layers.cpu_kernels import DEQUANT, ENV, NATIVE
 from tessera.layers.linear import Linear
-from tessera.layers.quantization import INT4_GROUP_SIZE
+from tessera.layers.quantization import dequantized_weight, quantized_values
 from tessera.testing.generation import greedy_logprobs
 
 PROMPTS = ["USER: Tell me about the sea. ASSISTANT:", "USER: hi ASSISTANT:"]
@@ -27,14 +26,10 @@ def linears(llm):
 
 
 def dequantized_and_step(layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """A quantized layer's weight [out, in] (float64) and the rounding step of each of its entries."""
-    if layer.quantization == "int4":  # without the op's padding rows
-        weight = dequantize_int4(layer.qweight, layer.qscale, int4_layout() if layer.quant_mm else None).double()
-        group = layer.in_features // layer.qscale.shape[0]
-        step = layer.qscale[..., 0].double().t().repeat_interleave(group, dim=1)
-        return weight[: layer.out_features], step[: layer.out_features]
-    scale = layer.qscale.double()[:, None]
-    return layer.qweight.double() * scale, scale.expand(layer.qweight.shape)
+    """A quantized layer's weight [out, in] (float64) and the rounding step of each of its entries (its group's
+    scale)."""
+    scale = quantized_values(layer)[1].double()
+    return dequantized_weight(layer), scale.repeat_interleave(layer.in_features // scale.shape[1], dim=1)
 
 
 @pytest.fixture(scope="module")
@@ -61,24 +56,20 @@ def test_only_the_language_model_is_quantized(dense, quantized):
 
 
 def test_linear_weight_bytes(dense, quantized):
-    """int8: a quarter of float32 plus a float32 scale per row; int4: an eighth plus two float32 scales per
-    group of 32 (3/16), every in_features here being a multiple of 32, of out_features padded to 16k for the op."""
+    """int8: a byte a weight plus a float32 scale per group of 32 (9/32 of float32); int4: half a byte plus a
+    float32 scale and zero per group (3/16), every in_features here being a multiple of 32, of out_features
+    padded to 16k for the native kernels (lm_head: 514 -> 528)."""
     with torch.device("meta"):  # the float model's linears are packed: count their shapes
         meta = type(dense.engine.model)(dense.engine.model_config.hf_config).language_model
     fp32 = sum(m.weight.numel() * 4 for m in meta.modules() if isinstance(m, Linear))
     layers = linears(quantized).values()
+    assert all(m.quant_kernel == NATIVE for m in layers)
     kept = sum(
         m.qweight.numel() * m.qweight.element_size() + m.qscale.numel() * m.qscale.element_size() for m in layers
     )
-    if quantized.engine.model_config.quantization == "int4":
-        assert all(
-            m.in_features % INT4_GROUP_SIZE == 0 and 0 <= m.qweight.shape[0] - m.out_features < 16 for m in layers
-        )
-        padded = sum(m.qweight.shape[0] * m.in_features * 4 for m in layers)  # the op's rows: 16k (lm_head: 514 -> 528)
-        assert kept == padded * 3 // 16 and fp32 * 3 // 16 <= kept
-    else:
-        min_in = min(m.in_features for m in layers)
-        assert fp32 / 4 < kept <= fp32 / 4 * (1 + 4 / min_in)
+    padded = sum(-(-m.out_features // 16) * 16 * m.in_features * 4 for m in layers)
+    ratio = {"int8": (9, 32), "int4": (3, 16)}[quantized.engine.model_config.quantization]
+    assert kept == padded * ratio[0] // ratio[1] and fp32 * ratio[0] // ratio[1] <= kept
 
 
 def test_prefill_logits_stay_within_the_quantization_bound(dense, quantized):
@@ -117,23 +108,24 @@ def test_quantized_generation_runs_end_to_end(tiny_llava_dir, method, dtype):
     assert len(chat.outputs[0].token_ids) == 6
 
 
-def test_int4_fallback_gives_the_logits_of_the_op(tiny_llava_dir, monkeypatch):
-    """Same quantized weights; with one prompt at a time, float32 decode steps run the op (1 row) under auto,
-    and the de-quantized matmul under fallback: they differ only in the order of float32 sums, <= in_features
-    * 2^-24 (64 here: ~4e-6) of each product's |terms|, a few such steps through 2 layers and the lm_head;
-    1e-4 of the log-probs' spread bounds it with a wide margin."""
-    auto = make(tiny_llava_dir, quantization="int4")
+@pytest.mark.parametrize("method", METHODS)
+def test_the_native_kernels_give_the_logits_of_the_fallback(tiny_llava_dir, monkeypatch, method):
+    """Same quantized weights; the native kernels (auto) and the de-quantized matmul (fallback) differ only in
+    the order of float32 sums and the native kernels' int16 x (an error of at most 2^-16 of a group's largest
+    |x| an element): each linear's output moves by at most 1.5e-5 of its sum of |terms|, and 15 linears (2
+    layers of 7, the lm_head) add at most ~2.3e-4; 5e-4 of the log-probs' spread bounds it (seen: ~1e-4)."""
+    auto = make(tiny_llava_dir, quantization=method)
     monkeypatch.setenv(ENV, "fallback")
-    fallback = make(tiny_llava_dir, quantization="int4")
-    assert not any(m.quant_mm for m in linears(fallback).values())
-    assert any(m.quant_mm for m in linears(auto).values()) == int4_mm_works(torch.float32)
+    fallback = make(tiny_llava_dir, quantization=method)
+    assert all(m.quant_kernel == DEQUANT for m in linears(fallback).values())
+    assert all(m.quant_kernel == NATIVE for m in linears(auto).values())
     vocab = auto.engine.model_config.hf_config.get_text_config().vocab_size
     for prompt in PROMPTS:
         ((ids_a, a),), ((ids_b, b),) = (greedy_logprobs(llm, [prompt], 4, vocab) for llm in (auto, fallback))
         assert ids_a == ids_b
         error, spread = float((a - b).abs().max()), float(a.std())
         print(f"max |d logprob| {error:.2e}, spread {spread:.2f}")
-        assert error <= 1e-4 * spread
+        assert error <= 5e-4 * spread
 
 
 def test_an_unknown_quantization_is_a_clear_error(tiny_llava_dir):

@@ -6,9 +6,8 @@ raises on AVX2-only CPUs such as AMD Zen 3. Rather than guess from CPU flags, a 
 weight once per dtype and checks the packed matmul against `F.linear`; a dtype that fails runs on
 plain `F.linear` (slower, never wrong).
 
-Int8 weight-only linears (`quantization`) run torch's `aten._weight_int8pack_mm` for the few rows of
-decode steps where a probe finds it exact for the activation dtype, else (and for prefill-sized
-inputs, where it is slower) a de-quantized weight and `F.linear`. Group-wise int4 ones: `int4_kernels`.
+Int8 and int4 weight-only linears (`quantization`) run the native kernels' int16 dot products where they are
+built, else a de-quantized weight and `F.linear` (int4 first tries torch's op: `int4_kernels`).
 
 Float32 linears, and 16-bit ones where oneDNN cannot pack them, run Tessera's own weight-streaming kernel
 (`native_kernels`, built from `csrc/` at setup) where it is built (`linear_kernel` says why per dtype).
@@ -34,13 +33,6 @@ MODES = ("auto", "fallback")
 PACKED, FALLBACK = "onednn-packed", "fallback (F.linear)"
 NATIVE = "native"  # tessera/layers/csrc's weight-streaming kernel (native_kernels.gemv)
 DEQUANT = "fallback (de-quantize + F.linear)"
-INT8_MM = "int8-weight-pack-mm"
-
-# Most input rows for which `aten._weight_int8pack_mm` beats de-quantizing the weight once and running
-# F.linear, per activation dtype (measured on a 2-core AVX-512 CPU, a 3072 x 576 weight: the op does a
-# matrix-vector product per row, vectorized on x86 for bfloat16 only; for float16 its scalar loop never
-# wins); past them the weight is de-quantized per call.
-INT8_MM_MAX_ROWS = {torch.bfloat16: 32, torch.float32: 2}
 
 
 def pack_weight(weight: torch.Tensor, batch_size_hint: int) -> torch.Tensor:
@@ -77,58 +69,23 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 [out, in] x scale [out] -> the weight in `dtype` (each product rounded once to `dtype`)."""
-    return qweight.to(dtype) * scale.to(dtype)[:, None]
+    """int8 [out, in] x scale [out, groups] (one per group of in / groups inputs) -> the weight in `dtype` (each
+    product rounded once to `dtype`)."""
+    rows, cols = qweight.shape
+    grouped = qweight.view(rows, scale.shape[1], -1).to(dtype) * scale.to(dtype)[..., None]
+    return grouped.view(rows, cols)
 
 
-INT8_MM_ALIGN = 16
-"""`aten._weight_int8pack_mm`'s vectorized CPU kernels step 16 (AVX-512) or 8 (AVX2) input features at a time
-with aligned loads from each row of x and the weight: a layer's in_features must be a multiple of 16 and x
-start on a 64-byte boundary, or its results are wrong (or it crashes)."""
-
-
-def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] @ (int8 [out, in] x scale [out]).T -> [rows, out] by torch's CPU kernel (it takes
-    the scales in x's dtype). `in` must be a multiple of INT8_MM_ALIGN; x is copied if not aligned."""
-    x = x.contiguous()
-    if x.data_ptr() % 64:
-        x = x.clone()  # a fresh CPU allocation is 64-byte aligned
-    return torch.ops.aten._weight_int8pack_mm(x, qweight, scale.to(x.dtype))
-
-
-def int8_linear(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], use_mm: bool
-) -> torch.Tensor:
-    """x [rows, in] through an int8 weight-only linear: `int8_mm` for up to INT8_MM_MAX_ROWS rows when
-    `use_mm` (the kernel `int8_kernel` chose), else F.linear on the de-quantized weight."""
-    if use_mm and x.shape[0] <= INT8_MM_MAX_ROWS.get(x.dtype, 0):
-        out = int8_mm(x, qweight, scale)
-        return out if bias is None else out + bias
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [rows, in] through an int8 weight-only linear where the native kernel does not run: F.linear on the
+    de-quantized weight."""
     return F.linear(x, dequantize_int8(qweight, scale, x.dtype), bias)
 
 
-@functools.cache
-def int8_mm_works(dtype: torch.dtype) -> bool:
-    """Whether `aten._weight_int8pack_mm` runs on this CPU for activations of `dtype` and matches the
-    de-quantized matmul."""
-    # Small integers and power-of-two scales: every product and sum is exact, so the results must be equal.
-    gen = torch.Generator().manual_seed(0)
-    # Shapes with tails: 5 rows and 22 outputs (blocks of 4), 48 inputs (a multiple of 16, not of 32).
-    qweight = torch.randint(-3, 4, (22, 48), generator=gen, dtype=torch.int8)
-    scale = (2.0 ** torch.randint(-2, 2, (22,), generator=gen)).to(dtype)
-    x = torch.randint(-2, 3, (5, 48), generator=gen).to(dtype)
-    try:
-        with torch.no_grad():
-            return torch.equal(int8_mm(x, qweight, scale), F.linear(x, dequantize_int8(qweight, scale, dtype)))
-    except Exception:  # RuntimeError for an unsupported dtype or ISA; a build without the op fails otherwise
-        return False
-
-
-def int8_kernel(dtype: torch.dtype, mode: Optional[str] = None) -> str:
-    """INT8_MM or DEQUANT: the kernel of a CPU int8 weight-only `Linear` with activations of `dtype`."""
-    if kernel_mode(mode) == "fallback" or dtype not in INT8_MM_MAX_ROWS:
-        return DEQUANT
-    return INT8_MM if int8_mm_works(dtype) else DEQUANT
+def int8_kernel(mode: Optional[str] = None) -> str:
+    """NATIVE or DEQUANT: the kernel of a CPU int8 weight-only `Linear` (native: int16 dot products, `native_kernels.
+    gemv_int8`; for layers of an even in_features)."""
+    return NATIVE if kernel_mode(mode) == "auto" and native_kernels.available() else DEQUANT
 
 
 def linear_kernel(dtype: torch.dtype, mode: Optional[str] = None) -> str:

@@ -1,5 +1,6 @@
-"""Group-wise int4 weight-only linears on CPU: torch's `aten._weight_int4pack_mm_for_cpu` where a probe
-finds it exact for the activation dtype, else a de-quantized weight and `F.linear`.
+"""Group-wise int4 weight-only linears on CPU where the native kernels are not built: torch's
+`aten._weight_int4pack_mm_for_cpu` where a probe finds it exact for the activation dtype, else a de-quantized
+weight and `F.linear`.
 
 The op takes 4-bit weights packed in a nibble layout that depends on the CPU capability torch dispatches
 to (`Int4Layout`, found at run time by packing a test pattern: `int4_layout`), with a scale and a zero per
@@ -16,7 +17,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .cpu_kernels import DEQUANT, kernel_mode
+from . import native_kernels
+from .cpu_kernels import DEQUANT, NATIVE, kernel_mode
 
 INT4_MM = "int4-weight-pack-mm"
 
@@ -184,11 +186,14 @@ def int4_mm_works(dtype: torch.dtype) -> bool:
 
 
 def int4_kernel(dtype: torch.dtype, mode: Optional[str] = None) -> str:
-    """INT4_MM or DEQUANT: the kernel of a CPU int4 weight-only `Linear` with activations of `dtype` (for
-    layers whose shape the op takes, `int4_mm_takes`)."""
-    if kernel_mode(mode) == "fallback" or dtype not in INT4_MM_MAX_ROWS:
+    """NATIVE, INT4_MM or DEQUANT: the kernel of a CPU int4 weight-only `Linear` with activations of `dtype`: the
+    native kernels' int16 dot products where they are built (`native_kernels.gemv_int4`), else torch's op (for
+    layers whose shape it takes, `int4_mm_takes`), else de-quantizing."""
+    if kernel_mode(mode) == "fallback":
         return DEQUANT
-    return INT4_MM if int4_mm_works(dtype) else DEQUANT
+    if native_kernels.available():
+        return NATIVE
+    return INT4_MM if dtype in INT4_MM_MAX_ROWS and int4_mm_works(dtype) else DEQUANT
 
 
 def int4_mm_takes(in_features: int, group_size: int) -> bool:

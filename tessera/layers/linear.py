@@ -8,9 +8,11 @@ decode, ~1.4x in prefill). Other dtypes, or all under `TESSERA_CPU_KERNELS=fallb
 weight and run `F.linear`.
 
 A `Linear` quantized at load (`quantization.quantize_linears`) holds `qweight` and `qscale` buffers
-instead of its float weight: int8 [out, in] values and a scale per output channel (`cpu_kernels.int8_linear`),
-or int4 values two a byte [out, in / 2] and a scale and zero per group of inputs and output channel
-[in / group, out, 2] (`int4_kernels.int4_linear`; for its op, `out` is padded to a multiple of 16).
+instead of its float weight, in the layout of its `quant_kernel`: the native kernels' blocks of 16 outputs
+(`native_kernels.pack_int8` / `pack_int4`), else int8 [out, in] values with scales [out, groups]
+(`cpu_kernels.int8_linear`), or int4 values two a byte [out, in / 2] with a scale and zero per group of inputs
+and output channel [in / group, out, 2] (`int4_kernels.int4_linear`; for its op, `out` is padded to a multiple
+of 16). `quantization.dequantized_weight` reads any of them back.
 
 `MergedLinear` fuses projections that read the same input (q/k/v, gate/up) into one matmul; the
 loader fills each shard from the checkpoint tensor named after it.
@@ -33,7 +35,7 @@ from torch import nn
 from ..distributed import divide, get_tp_group
 from . import native_kernels
 from .cpu_kernels import NATIVE, PACKED, int8_linear, kernel_mode, linear_kernel, pack_weight, packed_linear
-from .int4_kernels import int4_linear
+from .int4_kernels import INT4_MM, int4_linear
 
 
 class Linear(nn.Linear):
@@ -43,9 +45,9 @@ class Linear(nn.Linear):
     """The weight as Tessera's native kernel streams it (`native_kernels.pack`)."""
     quantization: Optional[str] = None
     """"int8" or "int4" once quantized (`qweight` / `qscale` hold the weight), else None."""
-    quant_mm: bool = False
-    """Whether a quantized layer runs torch's int8/int4 CPU op (for few rows) or de-quantizes (for int4 it
-    also says which layout `qweight` is packed in: the op's, else the portable one)."""
+    quant_kernel: Optional[str] = None
+    """A quantized layer's kernel, which also fixes the layout of `qweight` / `qscale`: `cpu_kernels.NATIVE`
+    (`native_kernels.pack_int8` / `pack_int4`), `int4_kernels.INT4_MM` (torch's int4 op) or `cpu_kernels.DEQUANT`."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -55,10 +57,14 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             flat = x.reshape(-1, x.shape[-1])
-            if self.quantization == "int4":
-                out = int4_linear(flat, self.qweight, self.qscale, self.bias, self.quant_mm, self.out_features)
+            if self.quant_kernel == NATIVE:
+                native = native_kernels.linear_int4 if self.quantization == "int4" else native_kernels.linear_int8
+                out = native(flat, self.qweight, self.qscale, self.out_features, self.bias)
+            elif self.quantization == "int4":
+                use_mm = self.quant_kernel == INT4_MM
+                out = int4_linear(flat, self.qweight, self.qscale, self.bias, use_mm, self.out_features)
             else:
-                out = int8_linear(flat, self.qweight, self.qscale, self.bias, self.quant_mm)
+                out = int8_linear(flat, self.qweight, self.qscale, self.bias)
             return out.view(*x.shape[:-1], out.shape[-1])
         if self.native_weight is not None:
             flat = x.reshape(-1, x.shape[-1])

@@ -29,7 +29,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "gemv.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv.cpp", "gemv_quant.cpp")]
 ISA_AVX2, ISA_AVX512 = 1, 2
 ISA_NAMES = {ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
 BLOCK = 16
@@ -187,12 +187,100 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.T
 def gemv(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] @ the packed weight of `n` outputs (+ bias) -> [M, n] in x's dtype; products and sums in float32
     whatever the weight's dtype (float32, bfloat16 or float16). Fastest for the few rows of decode steps."""
-    isa = cpu_isa()
-    if isa is None:
-        raise RuntimeError(_status()[1])
     k = x.shape[-1] if x.dim() == 2 else -1
     _check(x, packed, n, bias, (-(-n // BLOCK), k, BLOCK), (torch.float32, torch.bfloat16, torch.float16))
-    return torch.ops.tessera.gemv(x, packed, n, bias, isa)
+    return torch.ops.tessera.gemv(x, packed, n, bias, _isa(cpu_isa()))
+
+
+def _blocks(t: torch.Tensor, fill: float = 0) -> torch.Tensor:
+    """[N, ...] -> [ceil(N / 16), 16, ...], rows past N filled with `fill`."""
+    n = t.shape[0]
+    padded = t.new_full((-(-n // BLOCK) * BLOCK, *t.shape[1:]), fill)
+    padded[:n] = t
+    return padded.view(-1, BLOCK, *t.shape[1:])
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values q [N, K] (K even) with a scale per group of inputs, scale [N, K / G] (w = q * scale), or one per
+    output, scale [N] -> the layout `gemv_int8` streams: int8 [ceil(N / 16), K / 2, 16, 2] (at each k pair the 16
+    outputs' two values side by side) and scales [ceil(N / 16), K / G, 16] (rows past N zero). A scale per output
+    is repeated over groups of the largest even divisor of K up to 512 (the kernel sums a group in int32)."""
+    n, k = q.shape
+    if scale.dim() == 1:
+        group = max(g for g in range(2, min(k, 512) + 1, 2) if k % g == 0)
+        scale = scale[:, None].expand(n, k // group)
+    pairs = _blocks(q).view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return pairs, _blocks(scale).transpose(1, 2).contiguous()
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit values q (0..15) [N, K] (K a multiple of 4) with a scale and a zero per group, [N, K / G] each
+    (w = (q - 8) * scale + zero) -> the layout `gemv_int4` streams: uint8 [ceil(N / 16), K / 4, 16, 2], of each
+    4 k byte (i, 0) holding output i's q at k 4t (low nibble) and 4t + 2 (high), byte (i, 1) those at 4t + 1 and
+    4t + 3; and scales [ceil(N / 16), K / G, 2, 16] (rows past N zero)."""
+    n, k = q.shape
+    quads = q.to(torch.uint8).view(n, k // 4, 2, 2)
+    nibbles = quads[:, :, 0] | (quads[:, :, 1] << 4)  # [N, K / 4, 2]
+    pairs = _blocks(nibbles).permute(0, 2, 1, 3).contiguous()
+    return pairs, _blocks(torch.stack((scale, zero), dim=1)).permute(0, 3, 2, 1).contiguous()
+
+
+def quant_isa() -> Optional[int]:
+    """The ISA of the int8 / int4 kernels: AVX-512 where the CPU also has VNNI (int16 dot products), else AVX2."""
+    isa = cpu_isa()
+    return ISA_AVX512 if isa == ISA_AVX512 and "avx512_vnni" in _cpu_flags() else isa
+
+
+def linear_int8(x, packed, scales, n: int, bias=None) -> torch.Tensor:
+    """x [M, K] @ a `pack_int8` weight of `n` outputs (+ bias) -> [M, n] in x's dtype; unchecked (engine linears)."""
+    return torch.ops.tessera.gemv_int8(x, packed, scales, n, bias, quant_isa())
+
+
+def linear_int4(x, packed, scales, n: int, bias=None) -> torch.Tensor:
+    """x [M, K] @ a `pack_int4` weight of `n` outputs (+ bias) -> [M, n] in x's dtype; unchecked (engine linears)."""
+    return torch.ops.tessera.gemv_int4(x, packed, scales, n, bias, quant_isa())
+
+
+def gemv_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, bias=None) -> torch.Tensor:
+    """x [M, K] @ the int8 weight (`pack_int8`) of `n` outputs (+ bias) -> [M, n] in x's dtype, by int16 dot
+    products: x quantized per row and group to int16 (an error of at most max |x| of the group / 65534 an
+    element), sums exact in int32 per group, then float32."""
+    k = x.shape[-1] if x.dim() == 2 and x.shape[-1] % 2 == 0 else -2
+    _check(x, packed, n, bias, (-(-n // BLOCK), k // 2, BLOCK, 2), (torch.int8,))
+    _check_scales(scales, packed.shape[0], k, (BLOCK,), multiple=2, largest=512)
+    return torch.ops.tessera.gemv_int8(x, packed, scales, n, bias, _isa(quant_isa()))
+
+
+def gemv_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, bias=None) -> torch.Tensor:
+    """x [M, K] @ the int4 weight (`pack_int4`) of `n` outputs (+ bias) -> [M, n] in x's dtype, by int16 dot
+    products as `gemv_int8` (each group: s * sum(q * xq) * sx + (z - 8 s) * sum(xq) * sx)."""
+    k = x.shape[-1] if x.dim() == 2 and x.shape[-1] % 4 == 0 else -4
+    _check(x, packed, n, bias, (-(-n // BLOCK), k // 4, BLOCK, 2), (torch.uint8,))
+    _check_scales(scales, packed.shape[0], k, (2, BLOCK), multiple=4, largest=4096)
+    return torch.ops.tessera.gemv_int4(x, packed, scales, n, bias, _isa(quant_isa()))
+
+
+def _check_scales(scales: torch.Tensor, blocks: int, k: int, tail: tuple[int, ...], multiple: int, largest: int):
+    groups = scales.shape[1] if scales.dim() == 2 + len(tail) else 0
+    size = k // groups if groups and k > 0 and k % groups == 0 else 0
+    if (
+        tuple(scales.shape) != (blocks, groups, *tail)
+        or not size
+        or size % multiple
+        or size > largest
+        or scales.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+    ):
+        raise ValueError(
+            f"native kernels: scales [{blocks}, K / G, {', '.join(map(str, tail))}] of float32, bfloat16 or float16 "
+            f"with groups G of a multiple of {multiple} inputs up to {largest} dividing K = {k} expected, got "
+            f"{list(scales.shape)} of {scales.dtype}"
+        )
+
+
+def _isa(isa: Optional[int]) -> int:
+    if isa is None or not available():
+        raise RuntimeError(_status()[1])
+    return isa
 
 
 if __name__ == "__main__":  # `make setup`: build now, say what runs

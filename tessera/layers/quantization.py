@@ -1,24 +1,23 @@
 """Weight-only quantization of the language model's linears, done at load time: int8 or group-wise int4.
 
-int8: each `Linear` weight [out, in] becomes int8 values with one scale per output channel (symmetric:
-scale = max|row| / 127, q = round(w / scale), so |w - q * scale| <= scale / 2). Activations stay in
-the model dtype; `cpu_kernels.int8_linear` multiplies them by the int8 weight with torch's
-`aten._weight_int8pack_mm` (decode-sized inputs) or by the de-quantized weight (prefill, or a
-CPU/dtype where the op fails its probe, or under TESSERA_CPU_KERNELS=fallback).
+int8: each group of `INT8_GROUP_SIZE` (32) consecutive inputs of an output channel gets its own scale (symmetric:
+scale = max|group| / 127, q = round(w / scale), so |w - q * scale| <= scale / 2); a layer whose in_features is
+not a multiple of 32 gets one scale per output channel. Groups keep a channel's outlier inputs from coarsening
+the rest of its row (per channel, SmolLM2's answers changed on 11 of 20 prompts).
 
 int4: each group of `group_size` (32) consecutive inputs of an output channel gets its own scale and zero
 (asymmetric: w ~ (q - 8) * scale + zero, q in 0..15, torch's int4 kernels' formula), so |w - dq| <= scale / 2
-with scale ~ (max - min) / 15 of the group. `cpu_kernels.int4_linear` runs
-`aten._weight_int4pack_mm_for_cpu` for up to 256 rows (bfloat16; 1 for float32) where its probe passes,
-with out_features padded to a multiple of 16 for it, else de-quantizes to float32 (bit for bit the weight
-the op computes) and runs F.linear. A layer whose in_features is not a multiple of the group size stays in
-its float dtype (counted in the log line): every linear of the supported models has in_features a multiple
-of 32. Bytes kept: half a byte per weight plus a scale and a zero per group (5/16 of bfloat16 for groups of
-32, 3/16 of float32).
+with scale ~ (max - min) / 15 of the group. A layer whose in_features is not a multiple of the group size
+stays in its float dtype (counted in the log line): every linear of the supported models has in_features a
+multiple of 32. Scales and zeros are in the weight's dtype.
 
-A tied lm_head is quantized too: it gets its own quantized copy (int8: a quarter of the float32 embedding's
-bytes, int4: 3/16) while the embedding keeps its float weight for the row lookup; at batch-1 decode the lm_head is the
-largest single matrix read per token.
+Kernels: where the native kernels are built (`native_kernels`), the values are re-packed for their int16 dot
+products (`gemv_int8`, `gemv_int4`: decode reads half a byte or a byte a weight); else int8 de-quantizes for
+F.linear, and int4 runs torch's `aten._weight_int4pack_mm_for_cpu` where it works (`int4_kernels`).
+`Linear.quant_kernel` says which; `dequantized_weight` gives any layer's weight back.
+
+A tied lm_head is quantized too: it gets its own quantized copy while the embedding keeps its float weight for
+the row lookup; at batch-1 decode the lm_head is the largest single matrix read per token.
 """
 
 from __future__ import annotations
@@ -34,25 +33,31 @@ import torch
 from torch import nn
 
 from ..config import check_quantization
-from .cpu_kernels import INT8_MM, INT8_MM_ALIGN, int8_kernel, kernel_mode
-from .int4_kernels import INT4_MM, INT4_MM_N_ALIGN, int4_kernel, int4_mm_takes, pack_int4
+from . import native_kernels
+from .cpu_kernels import DEQUANT, NATIVE, int8_kernel, kernel_mode
+from .int4_kernels import INT4_MM, INT4_MM_N_ALIGN, int4_kernel, int4_layout, int4_mm_takes, pack_int4, unpack_int4
 from .linear import Linear
 
 logger = logging.getLogger(__name__)
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float weight -> (int8 [out, in], scale [out] in the weight's dtype), per output channel,
-    symmetric. The scale is rounded to its dtype before the values are, so the bound |w - q * scale| <=
-    scale / 2 holds for the stored scale (rounding it moves it by far less than 127.5 / 127)."""
-    w = weight.detach().float()
-    amax = w.abs().amax(dim=1)
+def quantize_int8(weight: torch.Tensor, group_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float weight -> (int8 [out, in], scale in the weight's dtype), symmetric: one scale per output
+    channel ([out]), or per group of `group_size` consecutive inputs of each ([out, in / group_size]). The scale
+    is rounded to its dtype before the values are, so the bound |w - q * scale| <= scale / 2 holds for the stored
+    scale (rounding it moves it by far less than 127.5 / 127)."""
+    rows, cols = weight.shape
+    if group_size is not None and (group_size <= 0 or cols % group_size):
+        raise ValueError(f"in_features {cols} is not a multiple of the int8 group size {group_size}")
+    w = weight.detach().float().view(rows, -1, group_size or cols)
+    amax = w.abs().amax(dim=-1)
     tiny = torch.finfo(weight.dtype).tiny if weight.dtype.is_floating_point else torch.finfo(torch.float32).tiny
     scale = (amax / 127).clamp(min=tiny).to(weight.dtype)
-    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+    q = torch.round(w / scale.float()[..., None]).clamp(-127, 127).to(torch.int8).view(rows, cols)
+    return q, scale if group_size is not None else scale[:, 0]
 
 
+INT8_GROUP_SIZE = 32
 INT4_GROUP_SIZE = 32
 
 
@@ -83,32 +88,64 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tu
 
 
 def _quantize_int8_layer(module: Linear, weight: torch.Tensor, mode: str) -> Optional[str]:
-    module.qweight, module.qscale = quantize_int8(weight)
-    module.quant_mm = (
-        weight.device.type == "cpu"
-        and weight.shape[1] % INT8_MM_ALIGN == 0
-        and int8_kernel(weight.dtype, mode) == INT8_MM
-    )
-    return "int8 mm" if module.quant_mm else "de-quantize"
+    group = INT8_GROUP_SIZE if weight.shape[1] % INT8_GROUP_SIZE == 0 else weight.shape[1]
+    q, scale = quantize_int8(weight, group)
+    native = weight.device.type == "cpu" and weight.shape[1] % 2 == 0 and int8_kernel(mode) == NATIVE
+    module.quant_kernel = NATIVE if native else DEQUANT
+    module.qweight, module.qscale = native_kernels.pack_int8(q, scale) if native else (q, scale)
+    return "native" if native else "de-quantize"
 
 
 def _quantize_int4_layer(module: Linear, weight: torch.Tensor, mode: str, group_size: int) -> Optional[str]:
     if weight.shape[1] % group_size:
         return None  # stays float
     q, scales_and_zeros = quantize_int4(weight, group_size)
-    module.quant_mm = (
-        weight.device.type == "cpu"
-        and int4_mm_takes(weight.shape[1], group_size)
-        and int4_kernel(weight.dtype, mode) == INT4_MM
-    )
-    pad = -weight.shape[0] % INT4_MM_N_ALIGN if module.quant_mm else 0
+    kernel = int4_kernel(weight.dtype, mode) if weight.device.type == "cpu" else DEQUANT
+    if kernel == NATIVE and group_size % 4 == 0 and group_size <= 4096:
+        module.quant_kernel = NATIVE
+        module.qweight, module.qscale = native_kernels.pack_int4(q, *scales_and_zeros.permute(2, 1, 0))
+        return "native"
+    use_mm = kernel == INT4_MM and int4_mm_takes(weight.shape[1], group_size)
+    module.quant_kernel = INT4_MM if use_mm else DEQUANT
+    pad = -weight.shape[0] % INT4_MM_N_ALIGN if use_mm else 0
     if pad:  # rows the op can pack: q = 8 with scale and zero 0 de-quantizes to 0
         q = torch.cat((q, q.new_full((pad, q.shape[1]), 8)))
         scales_and_zeros = torch.cat(
             (scales_and_zeros, scales_and_zeros.new_zeros(scales_and_zeros.shape[0], pad, 2)), 1
         )
-    module.qweight, module.qscale = pack_int4(q, op_layout=module.quant_mm), scales_and_zeros
-    return "int4 mm" if module.quant_mm else "de-quantize"
+    module.qweight, module.qscale = pack_int4(q, op_layout=use_mm), scales_and_zeros
+    return "int4 mm" if use_mm else "de-quantize"
+
+
+def quantized_values(module: Linear) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """A quantized layer's values whatever its kernel's layout: q [out, in] (int8, or uint8 0..15 for int4), the
+    scales [out, groups] and (int4) the zeros [out, groups], else None; without any padding rows."""
+    n = module.out_features
+    if module.quantization == "int8":
+        if module.quant_kernel == NATIVE:
+            pairs, scales = module.qweight, module.qscale  # [blocks, K / 2, 16, 2], [blocks, groups, 16]
+            q = pairs.permute(0, 2, 1, 3).reshape(-1, module.in_features)[:n]
+            return q, scales.transpose(1, 2).reshape(-1, scales.shape[1])[:n], None
+        return module.qweight, module.qscale, None
+    if module.quant_kernel == NATIVE:
+        nibbles, scales = module.qweight, module.qscale  # [blocks, K / 4, 16, 2], [blocks, groups, 2, 16]
+        bytes_ = nibbles.permute(0, 2, 1, 3).reshape(-1, module.in_features // 4, 2)[:n]
+        q = torch.stack((bytes_ & 15, bytes_ >> 4), dim=2).view(n, module.in_features)  # k 4t, 4t + 1, 4t + 2, 4t + 3
+        scale_zero = scales.permute(0, 3, 1, 2).reshape(-1, scales.shape[1], 2)[:n]
+        return q, scale_zero[..., 0], scale_zero[..., 1]
+    q = unpack_int4(module.qweight, int4_layout() if module.quant_kernel == INT4_MM else None)[:n]
+    return q, module.qscale[..., 0].t()[:n], module.qscale[..., 1].t()[:n]
+
+
+def dequantized_weight(module: Linear) -> torch.Tensor:
+    """A quantized layer's weight [out, in] in float64, exactly: int8 q * scale, int4 (q - 8) * scale + zero."""
+    q, scale, zero = quantized_values(module)
+    rows, cols = q.shape
+    group = cols // scale.shape[1]
+    scale = scale.double().repeat_interleave(group, dim=1)
+    if zero is None:
+        return q.double() * scale
+    return (q.double() - 8) * scale + zero.double().repeat_interleave(group, dim=1)
 
 
 def quantize_linears(
@@ -161,15 +198,18 @@ def quantize_linears(
         ", ".join(sorted(kernels)) or "none",
         f"; {kept_float} kept their dtype (in_features not a multiple of {group_size})" if kept_float else "",
     )
-    dtypes = {m.qscale.dtype for m in model.modules() if _is_quantized(m) and m.qweight.device.type == "cpu"}
+    dtypes = {
+        m.qscale.dtype
+        for m in model.modules()
+        if _is_quantized(m) and m.qweight.device.type == "cpu" and m.quant_kernel == INT4_MM
+    }
     if dtypes - {torch.bfloat16} and platform.machine().lower() in ("x86_64", "amd64"):
         logger.warning(
-            "%s weights with %s activations: torch's %s CPU kernel is vectorized for bfloat16 only on x86, "
-            "so these decode slower than unquantized; dtype='bfloat16' runs %s fast",
-            method,
+            "int4 weights with %s activations: torch's int4 CPU kernel is vectorized for bfloat16 only on x86 (the "
+            "native kernels are not built here: %s), so these decode slower than unquantized; dtype='bfloat16' runs "
+            "int4 fast",
             "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes - {torch.bfloat16})),
-            method,
-            method,
+            native_kernels.describe(),
         )
     return count
 

@@ -9,6 +9,7 @@ import torch
 from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.layers.attention import AttentionMetadata, attention_metadata
+from tessera.layers.cpu_kernels import DEQUANT, ENV
 from tessera.layers.kv_cache import allocate_kv_cache
 from tessera.models.loader import load_model
 from tessera.testing import build_tiny_gguf
@@ -100,7 +101,7 @@ def test_llama_cpp_rope_factors_are_recomputed_not_loaded(tmp_path):
     load_model(ModelConfig(str(path), device="cpu"))
 
 
-def test_a_q4_1_file_keeps_its_weights_as_int4(tmp_path):
+def test_a_q4_1_file_keeps_its_weights_as_int4(tmp_path, monkeypatch):
     """Q4_1 blocks are 32 weights on a grid of 16 steps from the block's minimum to its maximum (llama.cpp's
     quantizer puts both extremes on the grid's ends); quantization="auto" maps them to int4 groups of 32 whose
     grid is that one, so the int4 model computes HF's de-quantized weights up to float32 rounding. (Q4_0's
@@ -110,5 +111,13 @@ def test_a_q4_1_file_keeps_its_weights_as_int4(tmp_path):
     model = load_model(ModelConfig(str(path), device="cpu", quantization="auto"))
     layers = [m for m in model.modules() if getattr(m, "quantization", None) is not None]
     assert len(layers) == 2 * 4 + 1 and {m.quantization for m in layers} == {"int4"}  # qkv, o, gate_up, down; lm_head
-    ours, expected = prefill_logits(model, path)
+    monkeypatch.setenv(ENV, "fallback")  # the same weights, de-quantized for F.linear: float32 products of x
+    exact = load_model(ModelConfig(str(path), device="cpu", quantization="auto"))
+    assert {m.quant_kernel for m in exact.modules() if getattr(m, "quantization", None)} == {DEQUANT}
+    ours, expected = prefill_logits(exact, path)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+    # The native kernels quantize x to int16 per group of 32 (an error of at most 2^-16 of the group's largest |x|
+    # an element): ~15 linears, each moved by at most 1.5e-5 of its sum of |terms|; 1e-3 of the logits' range
+    # bounds it (seen: 3e-4).
+    native, _ = prefill_logits(model, path)
+    assert (native - expected).abs().max() <= 1e-3 * (expected.max() - expected.min())

@@ -1,0 +1,323 @@
+// Weight-only int8 and int4 matrix products by integer dot products: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]),
+// the weight stored in 8 or 4 bits with a scale (int4: and a zero) per group of G consecutive k of each output,
+// re-packed once at load in blocks of 16 outputs side by side (as gemv.cpp's float weights), k in pairs:
+//   int8: w = q * s,            q int8 [N / 16][K / 2][16][2]             s [N / 16][K / G][16]
+//   int4: w = (q - 8) * s + z,  q 0..15 [N / 16][K / 4][16][2] uint8,    s, z [N / 16][K / G][2][16]
+//         (of k = 4t..4t+3, byte (i, 0) holds output i's q at 4t in its low nibble and 4t + 2 in its high one,
+//          byte (i, 1) those at 4t + 1 and 4t + 3)
+// s and z are float32, bfloat16 or float16 (a GGUF file's float16 scales stay as they are).
+//
+// Why integers: de-quantizing each weight to float32 costs 3-4 vector instructions per 16 weights, which on two
+// cores is slower than reading them (measured: int8 decode reached 1.4x bfloat16, not 2x). Here x is quantized
+// to int16 per row and group (xq = round(x / sx), sx = max |x| of the group / 32767: an error of at most sx / 2
+// an element, below a bfloat16 x's own rounding of its largest values), and one instruction (AVX512-VNNI
+// vpdpwssd; AVX2 vpmaddwd + vpaddd) adds 32 (16) exact products of int16 pairs into int32 sums. Each group's
+// sum becomes float32 once: y += s * sx * sum(q * xq) (int4: + (z - 8 s) * sx * sum(xq)). int32 holds a group's
+// sum for G <= 512 (int8: 127 * 32767 * 512 < 2^31); per-channel int8 is packed as groups of one scale repeated.
+//
+// Tiles of up to 4 rows x 4 blocks (AVX-512) or 3 rows x 1 block (AVX2): each weight vector, loaded once, is
+// used for every row of the tile, so decode reads the weight once in its 8 or 4 bits.
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "tiles.h"
+
+namespace {
+
+using namespace tessera_kernels;
+
+#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+
+// x [M, K] (float32, bfloat16 or float16) -> int16 [M, K] and, per row and group of G, sx [M, K / G] and
+// sx * sum(xq) [M, K / G].
+template <typename X>
+void quantize_x(const X* x, int64_t M, int64_t K, int64_t G, int16_t* xq, float* sx, float* xsum) {
+  at::parallel_for(0, M * (K / G), 64, [&](int64_t begin, int64_t end) {
+    float v[512 * 8];  // one group (G <= 4096)
+    for (int64_t i = begin; i < end; ++i) {
+      const X* in = x + i * G;  // row i / groups, group i % groups: rows are contiguous, so this is x + i G
+      float amax = 0;
+      for (int64_t k = 0; k < G; ++k) {
+        v[k] = static_cast<float>(in[k]);
+        amax = std::max(amax, std::fabs(v[k]));
+      }
+      const float scale = amax / 32767, inv = amax > 0 ? 32767 / amax : 0;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < G; ++k) {
+        const int16_t q = static_cast<int16_t>(std::nearbyint(v[k] * inv));
+        xq[i * G + k] = q;
+        sum += q;
+      }
+      sx[i] = scale;
+      xsum[i] = scale * static_cast<float>(sum);
+    }
+  });
+}
+
+struct Operand {  // x quantized, and the shape
+  const int16_t* xq;
+  const float *sx, *xsum;
+  int64_t K, G;
+};
+
+inline int32_t pair_at(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// ---- AVX-512 + VNNI: MR rows x NB blocks -----------------------------------------------------------------------
+
+// 32 int8 weights (16 outputs x a k pair) as int16 pairs.
+AVX512VNNI inline __m512i int8_pairs_512(const int8_t* q) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+}
+
+// 64 nibbles (16 outputs x 4 k) as int16 pairs: k 4t, 4t + 1 (lo) and 4t + 2, 4t + 3 (hi).
+AVX512VNNI inline void int4_pairs_512(const uint8_t* q, __m512i& lo, __m512i& hi) {
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  lo = _mm512_and_si512(v, _mm512_set1_epi16(15));
+  hi = _mm512_srli_epi16(v, 4);
+}
+
+template <bool kInt4, typename S, int MR, int NB>
+AVX512VNNI void tile_512(Operand a, const void* wp, const S* sc, float* y, int64_t ldy, int64_t nvalid) {
+  const int64_t groups = a.K / a.G;
+  const int64_t wstride = (kInt4 ? a.K / 2 : a.K) * kBlock, sstride = groups * (kInt4 ? 2 : 1) * kBlock;
+  __m512 acc[MR][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i isum[MR][NB];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) isum[m][j] = _mm512_setzero_si512();
+    if constexpr (kInt4) {
+      const uint8_t* w = static_cast<const uint8_t*>(wp);
+      for (int64_t t = g * a.G / 4; t < (g + 1) * a.G / 4; ++t) {
+        __m512i lo[NB], hi[NB];
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) int4_pairs_512(w + j * wstride + t * 2 * kBlock, lo[j], hi[j]);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const __m512i x01 = _mm512_set1_epi32(pair_at(a.xq + m * a.K + 4 * t));
+          const __m512i x23 = _mm512_set1_epi32(pair_at(a.xq + m * a.K + 4 * t + 2));
+#pragma GCC unroll 8
+          for (int j = 0; j < NB; ++j)
+            isum[m][j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[m][j], x01, lo[j]), x23, hi[j]);
+        }
+      }
+    } else {
+      const int8_t* w = static_cast<const int8_t*>(wp);
+      for (int64_t kp = g * a.G / 2; kp < (g + 1) * a.G / 2; ++kp) {
+        __m512i wv[NB];
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) wv[j] = int8_pairs_512(w + j * wstride + kp * 2 * kBlock);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const __m512i xv = _mm512_set1_epi32(pair_at(a.xq + m * a.K + 2 * kp));
+#pragma GCC unroll 8
+          for (int j = 0; j < NB; ++j) isum[m][j] = _mm512_dpwssd_epi32(isum[m][j], xv, wv[j]);
+        }
+      }
+    }
+    // The group's sums into float32: s * sx * sum (int4: + (z - 8 s) * sx * sum(xq)).
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) {
+      const S* p = sc + j * sstride + g * (kInt4 ? 2 : 1) * kBlock;
+      const __m512 s = load16_512<S>(p, 0xFFFF);
+      const __m512 z = kInt4 ? _mm512_fnmadd_ps(_mm512_set1_ps(8), s, load16_512<S>(p + kBlock, 0xFFFF)) : s;
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const int64_t i = m * groups + g;
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][j]), _mm512_mul_ps(s, _mm512_set1_ps(a.sx[i])), acc[m][j]);
+        if constexpr (kInt4) acc[m][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(a.xsum[i]), acc[m][j]);
+      }
+    }
+  }
+  store_tile<MR, NB>(acc, y, ldy, nvalid);
+}
+
+// ---- AVX2: MR rows x 1 block (two halves of 8 outputs) ----------------------------------------------------------
+
+template <bool kInt4, typename S, int MR>
+AVX2 void tile_256(Operand a, const void* wp, const S* sc, float* y, int64_t ldy, int64_t nvalid) {
+  const int64_t groups = a.K / a.G;
+  __m256 lo[MR], hi[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i ilo[MR], ihi[MR];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) ilo[m] = ihi[m] = _mm256_setzero_si256();
+    if constexpr (kInt4) {
+      const uint8_t* w = static_cast<const uint8_t*>(wp);
+      const __m256i nibble = _mm256_set1_epi16(15);
+      for (int64_t t = g * a.G / 4; t < (g + 1) * a.G / 4; ++t) {
+        const uint8_t* p = w + t * 2 * kBlock;
+        const __m256i vl = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m256i vh = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kBlock)));
+        const __m256i l01 = _mm256_and_si256(vl, nibble), l23 = _mm256_srli_epi16(vl, 4);
+        const __m256i h01 = _mm256_and_si256(vh, nibble), h23 = _mm256_srli_epi16(vh, 4);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const __m256i x01 = _mm256_set1_epi32(pair_at(a.xq + m * a.K + 4 * t));
+          const __m256i x23 = _mm256_set1_epi32(pair_at(a.xq + m * a.K + 4 * t + 2));
+          ilo[m] = _mm256_add_epi32(ilo[m], _mm256_add_epi32(_mm256_madd_epi16(x01, l01), _mm256_madd_epi16(x23, l23)));
+          ihi[m] = _mm256_add_epi32(ihi[m], _mm256_add_epi32(_mm256_madd_epi16(x01, h01), _mm256_madd_epi16(x23, h23)));
+        }
+      }
+    } else {
+      const int8_t* w = static_cast<const int8_t*>(wp);
+      for (int64_t kp = g * a.G / 2; kp < (g + 1) * a.G / 2; ++kp) {
+        const int8_t* p = w + kp * 2 * kBlock;
+        const __m256i wl = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m256i wh = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kBlock)));
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const __m256i xv = _mm256_set1_epi32(pair_at(a.xq + m * a.K + 2 * kp));
+          ilo[m] = _mm256_add_epi32(ilo[m], _mm256_madd_epi16(xv, wl));
+          ihi[m] = _mm256_add_epi32(ihi[m], _mm256_madd_epi16(xv, wh));
+        }
+      }
+    }
+    const S* p = sc + g * (kInt4 ? 2 : 1) * kBlock;
+    const __m256 sl = load8_256<S>(p), sh = load8_256<S>(p + 8);
+    __m256 zl = sl, zh = sh;
+    if constexpr (kInt4) {
+      zl = _mm256_fnmadd_ps(_mm256_set1_ps(8), sl, load8_256<S>(p + kBlock));
+      zh = _mm256_fnmadd_ps(_mm256_set1_ps(8), sh, load8_256<S>(p + kBlock + 8));
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const int64_t i = m * groups + g;
+      const __m256 sx = _mm256_set1_ps(a.sx[i]);
+      lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ilo[m]), _mm256_mul_ps(sl, sx), lo[m]);
+      hi[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ihi[m]), _mm256_mul_ps(sh, sx), hi[m]);
+      if constexpr (kInt4) {
+        const __m256 xs = _mm256_set1_ps(a.xsum[i]);
+        lo[m] = _mm256_fmadd_ps(zl, xs, lo[m]);
+        hi[m] = _mm256_fmadd_ps(zh, xs, hi[m]);
+      }
+    }
+  }
+  store_tile_avx2<MR>(lo, hi, y, ldy, nvalid);
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------------------
+
+template <typename S>
+using QuantTile = void (*)(Operand, const void*, const S*, float*, int64_t, int64_t);
+
+template <bool kInt4, typename S, int MR>
+QuantTile<S> tile_of(int64_t isa, int nb) {
+  if (isa == kAvx2) return tile_256<kInt4, S, (MR < 3 ? MR : 3)>;
+  switch (nb) {
+    case 1: return tile_512<kInt4, S, MR, 1>;
+    case 2: return tile_512<kInt4, S, MR, 2>;
+    case 3: return tile_512<kInt4, S, MR, 3>;
+    default: return tile_512<kInt4, S, MR, 4>;
+  }
+}
+
+template <bool kInt4, typename S>
+QuantTile<S> tile_fn(int64_t isa, int mr, int nb) {
+  switch (mr) {
+    case 1: return tile_of<kInt4, S, 1>(isa, nb);
+    case 2: return tile_of<kInt4, S, 2>(isa, nb);
+    case 3: return tile_of<kInt4, S, 3>(isa, nb);
+    default: return tile_of<kInt4, S, 4>(isa, nb);
+  }
+}
+
+template <bool kInt4, typename S>
+void quant_matmul(Operand a, int64_t M, const void* w, const S* sc, int64_t N, float* y, int64_t isa) {
+  const int64_t groups = a.K / a.G;
+  const int64_t wstride = (kInt4 ? a.K / 2 : a.K) * kBlock, sstride = groups * (kInt4 ? 2 : 1) * kBlock;
+  // AVX-512: 4 rows x 2 blocks, or 2 x 4 for one or two rows (int32 and float32 sums: 2 x MR x NB registers).
+  const int64_t rows = isa == kAvx2 ? 3 : (M <= 2 ? 2 : 4), panel = isa == kAvx2 ? 1 : (M <= 2 ? 1 : 2);
+  for_each_tile(M, N, rows, panel, [&](int64_t m0, int mr, int64_t b0, int nb) {
+    const int64_t n0 = b0 * kBlock;
+    Operand rows_of = {a.xq + m0 * a.K, a.sx + m0 * groups, a.xsum + m0 * groups, a.K, a.G};
+    tile_fn<kInt4, S>(isa, mr, nb)(rows_of, static_cast<const int8_t*>(w) + b0 * wstride, sc + b0 * sstride,
+                                   y + m0 * N + n0, N, std::min<int64_t>(nb * kBlock, N - n0));
+  });
+}
+
+template <bool kInt4>
+at::Tensor run_quant(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
+                     const c10::optional<at::Tensor>& bias, int64_t isa) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / scales.size(1);
+  const auto xc = x.contiguous();
+  // One scratch buffer: xq [M, K] int16, then sx and sx * sum(xq) [M, K / G] float32 each.
+  auto scratch = at::empty({M * K * 2 + 2 * M * (K / G) * 4}, x.options().dtype(at::kByte));
+  int16_t* xq = reinterpret_cast<int16_t*>(scratch.data_ptr<uint8_t>());
+  float* sx = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>() + M * K * 2);
+  float* xsum = sx + M * (K / G);
+  switch (xc.scalar_type()) {
+    case at::kFloat: quantize_x(xc.data_ptr<float>(), M, K, G, xq, sx, xsum); break;
+    case at::kBFloat16: quantize_x(xc.data_ptr<c10::BFloat16>(), M, K, G, xq, sx, xsum); break;
+    case at::kHalf: quantize_x(xc.data_ptr<c10::Half>(), M, K, G, xq, sx, xsum); break;
+    default: quantize_x(xc.to(at::kFloat).data_ptr<float>(), M, K, G, xq, sx, xsum);
+  }
+  const Operand a = {xq, sx, xsum, K, G};
+  const auto w = packed.contiguous();
+  const auto sc = scales.contiguous();
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  switch (sc.scalar_type()) {
+    case at::kFloat:
+      quant_matmul<kInt4>(a, M, w.data_ptr(), sc.data_ptr<float>(), N, y.data_ptr<float>(), isa);
+      break;
+    case at::kBFloat16:
+      quant_matmul<kInt4>(a, M, w.data_ptr(), sc.data_ptr<c10::BFloat16>(), N, y.data_ptr<float>(), isa);
+      break;
+    case at::kHalf:
+      quant_matmul<kInt4>(a, M, w.data_ptr(), sc.data_ptr<c10::Half>(), N, y.data_ptr<float>(), isa);
+      break;
+    default:
+      TORCH_CHECK(false, "tessera: scales of ", sc.scalar_type(), " are not float32, bfloat16 or float16");
+  }
+  return finish(y, bias, x.scalar_type());
+}
+
+at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
+                     const c10::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && scales.dim() == 3 && packed.scalar_type() == at::kChar &&
+                  packed.size(1) * 2 == x.size(1) && packed.size(2) == kBlock && packed.size(3) == 2 &&
+                  packed.size(0) * kBlock >= N && scales.size(0) == packed.size(0) && scales.size(2) == kBlock &&
+                  scales.size(1) > 0 && x.size(1) % scales.size(1) == 0 && (x.size(1) / scales.size(1)) % 2 == 0 &&
+                  x.size(1) / scales.size(1) <= 512,
+              "tessera::gemv_int8: x [M, K], int8 [N / 16, K / 2, 16, 2] and scales [N / 16, K / G, 16] (G even, "
+              "<= 512) expected, got ", x.sizes(), ", ", packed.sizes(), " and ", scales.sizes());
+  TORCH_CHECK(isa == kAvx2 || isa == kAvx512, "tessera::gemv_int8: isa must be 1 (AVX2) or 2 (AVX-512 + VNNI)");
+  return run_quant<false>(x, packed, scales, N, bias, isa);
+}
+
+at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
+                     const c10::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && scales.dim() == 4 && packed.scalar_type() == at::kByte &&
+                  packed.size(1) * 4 == x.size(1) && packed.size(2) == kBlock && packed.size(3) == 2 &&
+                  packed.size(0) * kBlock >= N && scales.size(0) == packed.size(0) && scales.size(2) == 2 &&
+                  scales.size(3) == kBlock && scales.size(1) > 0 && x.size(1) % scales.size(1) == 0 &&
+                  (x.size(1) / scales.size(1)) % 4 == 0 && x.size(1) / scales.size(1) <= 4096,
+              "tessera::gemv_int4: x [M, K], uint8 [N / 16, K / 4, 16, 2] and scales [N / 16, K / G, 2, 16] (G a "
+              "multiple of 4, <= 4096) expected, got ", x.sizes(), ", ", packed.sizes(), " and ", scales.sizes());
+  TORCH_CHECK(isa == kAvx2 || isa == kAvx512, "tessera::gemv_int4: isa must be 1 (AVX2) or 2 (AVX-512 + VNNI)");
+  return run_quant<true>(x, packed, scales, N, bias, isa);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tessera, m) {
+  m.def("gemv_int8(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, int isa) -> Tensor");
+  m.def("gemv_int4(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tessera, CPU, m) {
+  m.impl("gemv_int8", gemv_int8);
+  m.impl("gemv_int4", gemv_int4);
+}
