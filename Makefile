@@ -33,7 +33,7 @@ browser:
 test: $(STAMP) browser
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
-	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/layers
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q tests/layers tests/models/test_native_decode.py
 
 demo: $(STAMP)
 	$(VENV)/bin/tessera generate "Describe the image." --image examples/three_shapes.png

@@ -33,8 +33,8 @@ def parse_dtype(value: "str | torch.dtype", what: str = "dtype") -> torch.dtype:
 
 QUANTIZATION_METHODS = ("int8", "int4")
 """Weight quantization applied at load (`tessera.layers.quantization`) to the language model's linear layers:
-"int8" = int8 weights with a scale per output channel; "int4" = 4-bit weights with a scale and zero per
-group of 32 inputs of an output channel."""
+"int8" = int8 weights with a scale per group of 32 inputs of an output channel; "int4" = 4-bit weights with a
+scale and zero per group of 32 inputs of an output channel."""
 
 
 AUTO_QUANTIZATION = "auto"
@@ -133,7 +133,7 @@ class ModelConfig:
     projector_device: Optional[str] = None
     quantization: Optional[str] = None
     """Weight quantization at load, one of QUANTIZATION_METHODS ("int8": the language model's linear
-    layers, lm_head included, get int8 weights with a scale per output channel; "int4": 4-bit weights with
+    layers, lm_head included, get int8 weights with a scale per group of 32 inputs; "int4": 4-bit weights with
     a scale and zero per group of 32 inputs; the vision tower and projector keep their dtype); "auto": for a
     GGUF file, the method that keeps its matrices about as small as the file has them (AUTO_QUANTIZATION),
     None otherwise; None: the checkpoint's weights in `dtype`."""

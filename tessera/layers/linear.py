@@ -77,6 +77,24 @@ class Linear(nn.Linear):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
+    def native_decode_weight(self) -> Optional[tuple[int, torch.Tensor, Optional[torch.Tensor], int]]:
+        """(kind, weight, scales, isa) for the native decode layer (`native_kernels.DecodeKind`), which calls this
+        layer's kernel from C++; None where it has no such kernel (torch's int4 op, de-quantizing)."""
+        kinds = native_kernels.DecodeKind
+        if self.qweight is not None:
+            if self.quant_kernel != NATIVE:
+                return None
+            kind = kinds.INT4 if self.quantization == "int4" else kinds.INT8
+            return kind, self.qweight, self.qscale, native_kernels.quant_isa() or 0
+        if self.native_weight is not None:
+            if self.native_weight.dim() == 4:
+                return kinds.BF16_DOT, self.native_weight, None, 0
+            return kinds.NATIVE, self.native_weight, None, native_kernels.cpu_isa() or 0
+        if self.packed_weight is not None:
+            return kinds.ONEDNN, self.packed_weight, None, 0
+        return kinds.DENSE, self.weight, None, 0
+
+
 class MergedLinear(Linear):
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool = False) -> None:
         """`shards`: checkpoint name of each projection (a sibling of this module) -> output width."""

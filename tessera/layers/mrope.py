@@ -142,5 +142,9 @@ class MRotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rope.rotate(positions, q, k, self.angles)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) [T, 1, rotary_dim] of the step, as `RotaryEmbedding.tables`."""
+        return self.rope.tables(positions, dtype, self.angles)
+
     def extra_repr(self) -> str:
         return f"mrope_section={list(self.mrope_section)}, interleaved={self.interleaved}"

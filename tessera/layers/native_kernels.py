@@ -17,6 +17,7 @@ linear. The engine's linears do not call it yet.
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import os
@@ -29,11 +30,22 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv.cpp", "gemv_quant.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("gemv.cpp", "gemv_quant.cpp", "decode_layer.cpp")]
 ISA_AVX2, ISA_AVX512 = 1, 2
 ISA_NAMES = {ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
 BLOCK = 16
 """Outputs per block of the packed weight layout ([N / 16, K, 16])."""
+
+
+class DecodeKind(enum.IntEnum):
+    """How a linear's weight is held, as csrc/decode_layer.cpp's `Kind` reads it."""
+
+    DENSE = 0  # F.linear on the dense weight
+    NATIVE = 1  # `gemv`
+    BF16_DOT = 2  # `gemv_bf16dot`
+    INT8 = 3  # `gemv_int8`
+    INT4 = 4  # `gemv_int4`
+    ONEDNN = 5  # oneDNN's packed linear
 
 
 def build_directory() -> Path:

@@ -249,15 +249,22 @@ class RotaryEmbedding(nn.Module):
         angles: Callable[[torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates q, k by `angles(positions)` [T, rotary_dim / 2]; cos/sin cached per positions tensor."""
-        cached = self._cached
-        if cached is None or cached[0] is not positions or cached[1] != q.dtype:
-            emb = angles(positions)  # [T, R / 2]: both halves of a head share a frequency
-            cos = (emb.cos() * self.attention_scaling).to(q.dtype).repeat(1, 2)[:, None, :]  # [T, 1, R]
-            sin = (emb.sin() * self.attention_scaling).to(q.dtype)
-            signed_sin = torch.cat((-sin, sin), dim=-1)[:, None, :]  # see apply_rotary
-            cached = self._cached = (positions, q.dtype, cos, signed_sin)
-        _, _, cos, sin = cached
+        cos, sin = self.tables(positions, q.dtype, angles)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype, angles: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) [T, 1, rotary_dim] in `dtype` for `apply_rotary` at `positions` (angles: `self.angles`
+        unless given), computed once per positions tensor and dtype."""
+        cached = self._cached
+        if cached is None or cached[0] is not positions or cached[1] != dtype:
+            emb = (angles or self.angles)(positions)  # [T, R / 2]: both halves of a head share a frequency
+            cos = (emb.cos() * self.attention_scaling).to(dtype).repeat(1, 2)[:, None, :]  # [T, 1, R]
+            sin = (emb.sin() * self.attention_scaling).to(dtype)
+            signed_sin = torch.cat((-sin, sin), dim=-1)[:, None, :]  # see apply_rotary
+            cached = self._cached = (positions, dtype, cos, signed_sin)
+        return cached[2], cached[3]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, H, D], k [T, Hkv, D] -> rotated q, k (same shapes)."""

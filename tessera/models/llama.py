@@ -18,6 +18,7 @@ from tessera.layers.attention import PagedAttention
 from tessera.layers.layernorm import RMSNorm
 from tessera.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from tessera.models.causal_lm import CausalLM, DecoderLayer, DecoderModel, MakeLayer, head_dim_of
+from tessera.models.native_decode import NativeDecodeLayer, is_decode_step
 
 
 class LlamaAttention(nn.Module):
@@ -85,7 +86,8 @@ class LlamaMLP(nn.Module):
         shards = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, shards, bias=bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = get_activation(activation or config.hidden_act)
+        self.activation = activation or config.hidden_act
+        self.act = get_activation(self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
@@ -105,6 +107,16 @@ class LlamaDecoderLayer(DecoderLayer):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._native: Optional[NativeDecodeLayer] | bool = None  # built on the first decode step; False: none
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Decode steps run the native decode layer where it can (native_decode.py), else the eager modules."""
+        if self._native is not False and is_decode_step(hidden_states):
+            if self._native is None:
+                self._native = NativeDecodeLayer.build(self, self.mlp.activation) or False
+            if self._native:
+                return self._native(positions, hidden_states)
+        return super().forward(positions, hidden_states)
 
 
 class LlamaModel(DecoderModel):

@@ -10,6 +10,7 @@
 // build runs on every x86-64 CPU.
 #include <torch/library.h>
 
+#include "ops.h"
 #include "tiles.h"
 
 namespace {
@@ -75,6 +76,10 @@ TileFn<uint16_t, uint16_t> bf16dot_fn(int mr, int nb) {
   }
 }
 
+}  // namespace
+
+namespace tessera_kernels {
+
 at::Tensor gemv_bf16dot(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                         const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == 2 &&
@@ -121,7 +126,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, int64_t N, const 
   return finish(y, bias, x.scalar_type());
 }
 
-}  // namespace
+}  // namespace tessera_kernels
 
 TORCH_LIBRARY(tessera, m) {
   m.def("gemv(Tensor x, Tensor packed, int n, Tensor? bias, int isa) -> Tensor");
@@ -129,6 +134,6 @@ TORCH_LIBRARY(tessera, m) {
 }
 
 TORCH_LIBRARY_IMPL(tessera, CPU, m) {
-  m.impl("gemv", gemv);
-  m.impl("gemv_bf16dot", gemv_bf16dot);
+  m.impl("gemv", tessera_kernels::gemv);
+  m.impl("gemv_bf16dot", tessera_kernels::gemv_bf16dot);
 }

@@ -21,6 +21,7 @@
 
 #include <cmath>
 
+#include "ops.h"
 #include "tiles.h"
 
 namespace {
@@ -284,6 +285,10 @@ at::Tensor run_quant(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return finish(y, bias, x.scalar_type());
 }
 
+}  // namespace
+
+namespace tessera_kernels {
+
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
                      const c10::optional<at::Tensor>& bias, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && scales.dim() == 3 && packed.scalar_type() == at::kChar &&
@@ -310,7 +315,7 @@ at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return run_quant<true>(x, packed, scales, N, bias, isa);
 }
 
-}  // namespace
+}  // namespace tessera_kernels
 
 TORCH_LIBRARY_FRAGMENT(tessera, m) {
   m.def("gemv_int8(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, int isa) -> Tensor");
@@ -318,6 +323,6 @@ TORCH_LIBRARY_FRAGMENT(tessera, m) {
 }
 
 TORCH_LIBRARY_IMPL(tessera, CPU, m) {
-  m.impl("gemv_int8", gemv_int8);
-  m.impl("gemv_int4", gemv_int4);
+  m.impl("gemv_int8", tessera_kernels::gemv_int8);
+  m.impl("gemv_int4", tessera_kernels::gemv_int4);
 }

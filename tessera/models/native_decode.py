@@ -1,0 +1,89 @@
+"""Decode steps of Llama-shaped layers as one native call per layer (`csrc/decode_layer.cpp`).
+
+A decode step of a 135M model spends more time in eager PyTorch's per-op cost (Python, module calls, dispatch:
+~400 us a layer) than in reading its weights. `NativeDecodeLayer` runs the same ops in the same order and
+dtypes from C++ (so the numbers are the eager path's bit for bit) and calls the linears' native kernels
+directly: one call per layer instead of ~40.
+
+Which layers: `LlamaDecoderLayer` (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, and
+the VLMs built on them), on CPU, without tensor parallelism, with silu or tanh-gelu MLPs and no soft-capping,
+whose linears each run a kernel the native layer can call (`Linear.native_decode_weight`). Which steps: pure
+decode steps (one new token per sequence, any number of sequences); prefill and mixed steps stay eager.
+`TESSERA_CPU_KERNELS=fallback` turns it off with the other native kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..layers import native_kernels
+from ..layers.attention import get_attention_metadata
+from ..layers.cpu_kernels import kernel_mode
+from ..layers.layernorm import RMSNorm
+from ..layers.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+"""MLP activations the native layer computes (as `activations.ACTIVATIONS` does), by config name."""
+
+
+class NativeDecodeLayer:
+    """The native decode layer of one `LlamaDecoderLayer` (`build` says whether it can have one)."""
+
+    def __init__(self, layer: nn.Module, native: torch.ScriptObject) -> None:
+        self.attn, self.rope, self.native = layer.self_attn.attn, layer.self_attn.rotary_emb, native
+
+    @classmethod
+    def build(cls, layer: nn.Module, activation: str) -> Optional[NativeDecodeLayer]:
+        """The native layer for `layer` (its weights as they are now: built after loading and packing), or None
+        where it cannot run it."""
+        attn = layer.self_attn
+        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+        norms = {"input": layer.input_layernorm, "post": layer.post_attention_layernorm}
+        if attn.q_norm is not None:
+            norms.update(q=attn.q_norm, k=attn.k_norm)
+        if (
+            kernel_mode() == "fallback"
+            or not native_kernels.available()
+            or activation not in ACTIVATIONS
+            or attn.attn.logits_soft_cap is not None
+            or not all(type(n) is RMSNorm for n in norms.values())
+            or any(getattr(m, "tp", None) is not None and m.tp.world_size > 1 for m in linears.values())
+            or any(p.device.type != "cpu" for p in layer.parameters())
+        ):
+            return None
+        weights = {name: m.native_decode_weight() if isinstance(m, Linear) else None for name, m in linears.items()}
+        if any(w is None for w in weights.values()):
+            return None
+        native = torch.classes.tessera.DecodeLayer(
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale, ACTIVATIONS[activation]
+        )
+        for name, norm in norms.items():
+            native.set_norm(name, norm.weight.detach(), norm.eps)
+        for name, (kind, weight, scales, isa) in weights.items():
+            module = linears[name]
+            bias = None if module.bias is None else module.bias.detach()
+            native.set_linear(name, int(kind), weight.detach(), scales, bias, module.out_features, isa)
+        return cls(layer, native)
+
+    def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """positions [B], hidden [B, hidden] of a pure decode step -> the layer's output [B, hidden]."""
+        metadata = get_attention_metadata()
+        window = self.attn.sliding_window
+        tables, mask = metadata.decode_tables(window)
+        start, end = metadata.decode_visible(window)[0] if hidden_states.shape[0] == 1 else (0, 0)
+        cos, sin = self.rope.tables(positions, hidden_states.dtype)
+        return self.native.forward(
+            hidden_states, cos, sin, self.attn.k_cache, self.attn.v_cache, metadata.slot_mapping, tables, mask,
+            start, end,
+        )  # fmt: skip
+
+
+def is_decode_step(hidden_states: torch.Tensor) -> bool:
+    """Whether the step's every token is a decode token (one new token per sequence)."""
+    return len(get_attention_metadata().decode_rows) == hidden_states.shape[0]

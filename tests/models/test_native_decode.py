@@ -1,0 +1,73 @@
+"""The native decode layer (models/native_decode.py, layers/csrc/decode_layer.cpp) runs the eager layer's ops
+in the same order and dtypes: every log-probability of every decode step equals the eager path's, bit for bit,
+for each Llama-shaped family (Llama under LLaVA, Qwen2's q/k/v biases, Qwen3's q/k norms, sliding windows),
+dtype and weight kind, for one sequence (its visible keys sliced) and several of different lengths (masked).
+HF parity of the same models (test_text_backbones.py, test_llava.py ...) runs through it too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from tessera import LLM
+from tessera.layers import native_kernels
+from tessera.layers.cpu_kernels import ENV
+from tessera.models.llama import LlamaDecoderLayer
+from tessera.testing import build_tiny_text_model
+from tessera.testing.generation import greedy_logprobs
+
+PROMPTS = ["USER: Tell me about the sea. ASSISTANT:", "one two three", "A b c d e f g h i j k l m n"]
+TEXT_MODELS = {
+    "qwen2-bias": (Qwen2ForCausalLM, Qwen2Config, dict(rope_theta=1e6)),
+    "qwen3-norms-window": (
+        Qwen3ForCausalLM, Qwen3Config, dict(head_dim=16, use_sliding_window=True, sliding_window=6, max_window_layers=0)
+    ),
+    "mistral-window": (MistralForCausalLM, MistralConfig, dict(sliding_window=4)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tiny_llava_dir):
+    built = {"llava": tiny_llava_dir}
+    for name, (model_cls, config_cls, overrides) in TEXT_MODELS.items():
+        built[name] = build_tiny_text_model(tmp_path_factory.mktemp(name), model_cls, config_cls, **overrides)
+    return built
+
+
+def decoder_layers(llm) -> list[LlamaDecoderLayer]:
+    return [m for m in llm.engine.model.modules() if isinstance(m, LlamaDecoderLayer)]
+
+
+def native_and_eager(llm, prompts, vocab):
+    """The greedy log-probs with the native layers, then with every layer forced eager."""
+    native = greedy_logprobs(llm, prompts, 5, vocab)
+    layers = decoder_layers(llm)
+    assert layers and all(layer._native for layer in layers), "every layer ran natively"
+    for layer in layers:
+        layer._native = False
+    return native, greedy_logprobs(llm, prompts, 5, vocab)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("name", ["llava", *TEXT_MODELS])
+def test_the_native_layer_gives_the_eager_layers_numbers(folders, name, kind):
+    options = dict(dtype="bfloat16" if kind != "float32" else "float32")
+    if kind in ("int8", "int4"):
+        options["quantization"] = kind
+    llm = LLM(str(folders[name]), device="cpu", kv_cache_memory="8MiB", enable_prefix_caching=False, **options)
+    vocab = llm.engine.model_config.hf_config.get_text_config().vocab_size
+    for prompts in (PROMPTS, PROMPTS[:1]):  # several sequences (a mask), one (its visible keys sliced)
+        for layer in decoder_layers(llm):
+            layer._native = None  # built again on the next decode step
+        native, eager = native_and_eager(llm, prompts, vocab)
+        for (ids_a, a), (ids_b, b) in zip(native, eager):
+            assert ids_a == ids_b and torch.equal(a, b)
+
+
+def test_fallback_stays_eager(folders, monkeypatch):
+    assert native_kernels.available()
+    monkeypatch.setenv(ENV, "fallback")
+    llm = LLM(str(folders["llava"]), device="cpu", kv_cache_memory="8MiB")
+    llm.generate(PROMPTS, use_tqdm=False)
+    assert all(layer._native is False for layer in decoder_layers(llm))
