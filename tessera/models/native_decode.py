@@ -1,9 +1,10 @@
 """Decode steps of Llama-shaped layers as one native call per layer (`csrc/decode_layer.cpp`).
 
 A decode step of a 135M model spends more time in eager PyTorch's per-op cost (Python, module calls, dispatch:
-~400 us a layer) than in reading its weights. `NativeDecodeLayer` runs the same ops in the same order and
-dtypes from C++ (so the numbers are the eager path's bit for bit) and calls the linears' native kernels
-directly: one call per layer instead of ~40.
+~400 us a layer) than in reading its weights. `NativeDecodeLayer` calls the linears' native kernels directly
+from C++ and computes RMSNorm, rotary, the cache write and attention over the cache's blocks in one pass each,
+with the eager modules' roundings (16-bit values rounded where they round), so only the order of float32 sums
+differs (tests/models/test_native_decode.py): one call per layer instead of ~40 torch ops.
 
 Which layers: `LlamaDecoderLayer` (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, and
 the VLMs built on them), on CPU, without tensor parallelism, with silu or tanh-gelu MLPs and no soft-capping,
@@ -76,12 +77,10 @@ class NativeDecodeLayer:
         metadata = get_attention_metadata()
         window = self.attn.sliding_window
         tables, mask = metadata.decode_tables(window)
-        start, end = metadata.decode_visible(window)[0] if hidden_states.shape[0] == 1 else (0, 0)
         cos, sin = self.rope.tables(positions, hidden_states.dtype)
         return self.native.forward(
-            hidden_states, cos, sin, self.attn.k_cache, self.attn.v_cache, metadata.slot_mapping, tables, mask,
-            start, end,
-        )  # fmt: skip
+            hidden_states, cos, sin, self.attn.k_cache, self.attn.v_cache, metadata.slot_mapping, tables, mask
+        )
 
 
 def is_decode_step(hidden_states: torch.Tensor) -> bool:

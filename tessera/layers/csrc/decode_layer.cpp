@@ -3,15 +3,20 @@
 // + residual, for the Llama-shaped layers (Llama, Mistral, Qwen2/3 and the VLMs built on them).
 //
 // Why: eager PyTorch spends ~20 us of Python and dispatch per small op, ~400 us a layer, which at batch-1 decode
-// of a 135M model is more than the weights take to read. Here the same ops run from C++, in the same order and
-// dtypes as the eager modules (tessera/models/llama.py, layers/attention.py, rotary.py, layernorm.py), so the
-// numbers are the eager path's bit for bit, and the linears call the native kernels directly.
+// of a 135M model is more than the weights take to read. Here the linears call the native kernels directly, and
+// RMSNorm, rotary, the cache write and attention (reading K / V through the block tables, no gather) are one pass
+// each, with the eager modules' roundings (tessera/models/llama.py, layers/attention.py, rotary.py,
+// layernorm.py): only the order of float32 sums differs.
 //
 // A `DecodeLayer` (a torch custom class) is built once per layer from its weights (each linear in the layout its
 // kernel streams); `forward` takes what changes per step: the hidden states, the rotary tables of the step, the
 // layer's caches and the step's decode tables.
+#include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include <cmath>
+#include <vector>
 
 #include "ops.h"
 
@@ -46,26 +51,120 @@ struct LinearWeight {
   }
 };
 
-// layernorm.py's RMSNorm: F.rms_norm in float32 with the weight where both are float32, else weight * the
-// float32 norm rounded to x's dtype.
+// ---- the small ops, natively: one pass each instead of several torch ops ----------------------------------------
+
+template <typename T>
+inline float as_float(T v) { return static_cast<float>(v); }
+
+// y = the eager RMSNorm's (layernorm.py) with the same roundings: float32 x * rsqrt(mean(x^2) + eps), rounded to
+// x's dtype, times the weight (rounded again); float32: (x * r) * w. Only the order of the sum of squares differs.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = x + r * n;
+    float sum = 0;
+    for (int64_t i = 0; i < n; ++i) sum += as_float(row[i]) * as_float(row[i]);
+    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; ++i) {
+      const T normed = static_cast<T>(as_float(row[i]) * scale);
+      y[r * n + i] = static_cast<T>(as_float(w[i]) * as_float(normed));
+    }
+  }
+}
+
+// rotary.py's apply_rotary on [B, H, D] rows with cos / signed sin [B, R], elementwise with the eager roundings:
+// out[i] = x[i] * cos[i] + x[(i + R / 2) mod R] * sin[i] (each product and the sum rounded to T), i < R.
+template <typename T>
+void rotate_rows(const T* x, int64_t batch, int64_t heads, int64_t d, int64_t x_row, int64_t x_head, const T* cos,
+                 const T* sin, int64_t r, T* out) {
+  const int64_t half = r / 2;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* in = x + b * x_row + h * x_head;
+      T* o = out + (b * heads + h) * d;
+      for (int64_t i = 0; i < r; ++i) {
+        const T a = static_cast<T>(as_float(in[i]) * as_float(cos[b * r + i]));
+        const T c = static_cast<T>(as_float(in[(i + half) % r]) * as_float(sin[b * r + i]));
+        o[i] = static_cast<T>(as_float(a) + as_float(c));
+      }
+      for (int64_t i = r; i < d; ++i) o[i] = in[i];
+    }
+}
+
+// Decode attention over the paged cache, the step's k / v written first: per sequence b and query head, softmax of
+// scale * q . k over the cache positions its mask row shows (table order), times v; float32 sums, the output
+// rounded to T. cache [blocks, block_size, kv_heads, D]; tables [B, nb]; mask [B, nb * block_size].
+template <typename T, typename C>
+void decode_attention(const T* q, const T* k, const T* v, int64_t q_row, int64_t kv_row, C* k_cache, C* v_cache,
+                      const int64_t* slots, const int64_t* tables, const bool* mask, int64_t batch, int64_t nb,
+                      int64_t block_size, int64_t heads, int64_t kv_heads, int64_t d, float scale, T* out) {
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t i = 0; i < d; ++i) {
+        k_cache[(slots[b] * kv_heads + h) * d + i] = static_cast<C>(as_float(k[b * kv_row + h * d + i]));
+        v_cache[(slots[b] * kv_heads + h) * d + i] = static_cast<C>(as_float(v[b * kv_row + h * d + i]));
+      }
+  const int64_t group = heads / kv_heads, positions = nb * block_size;
+  const int64_t work = batch * heads * positions * d;
+  at::parallel_for(0, batch * heads, std::max<int64_t>(1, (batch * heads) * (1 << 15) / std::max<int64_t>(work, 1)),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(positions), qf(d), acc(d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / heads, h = item % heads, g = h / group;
+      for (int64_t i = 0; i < d; ++i) qf[i] = as_float(q[b * q_row + h * d + i]);
+      float best = -INFINITY;
+      for (int64_t l = 0; l < positions; ++l) {
+        if (!mask[b * positions + l]) continue;
+        const int64_t slot = tables[b * nb + l / block_size] * block_size + l % block_size;
+        const C* key = k_cache + (slot * kv_heads + g) * d;
+        float dot = 0;
+        for (int64_t i = 0; i < d; ++i) dot += qf[i] * as_float(key[i]);
+        scores[l] = dot * scale;
+        best = std::max(best, scores[l]);
+      }
+      float total = 0;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t l = 0; l < positions; ++l) {
+        if (!mask[b * positions + l]) continue;
+        const float p = std::exp(scores[l] - best);
+        total += p;
+        const int64_t slot = tables[b * nb + l / block_size] * block_size + l % block_size;
+        const C* value = v_cache + (slot * kv_heads + g) * d;
+        for (int64_t i = 0; i < d; ++i) acc[i] += p * as_float(value[i]);
+      }
+      for (int64_t i = 0; i < d; ++i) out[(b * heads + h) * d + i] = static_cast<T>(acc[i] / total);
+    }
+  });
+}
+
+template <typename F>
+void with_dtype(at::ScalarType t, F f) {
+  switch (t) {
+    case at::kFloat: f(float()); break;
+    case at::kBFloat16: f(c10::BFloat16()); break;
+    case at::kHalf: f(c10::Half()); break;
+    default: TORCH_CHECK(false, "DecodeLayer: dtype ", t, " is not float32, bfloat16 or float16");
+  }
+}
+
+// layernorm.py's RMSNorm on the last dimension (rms_norm_rows: its roundings, natively).
 struct Norm {
   at::Tensor weight;
   double eps = 1e-6;
   bool defined() const { return weight.defined(); }
   at::Tensor operator()(const at::Tensor& x) const {
-    const std::vector<int64_t> shape = {weight.size(0)};
-    if (x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat) return at::rms_norm(x, shape, weight, eps);
-    return weight * at::rms_norm(x.to(at::kFloat), shape, c10::nullopt, eps).to(x.scalar_type());
+    TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "DecodeLayer: a norm weight of ", weight.scalar_type(),
+                " for x of ", x.scalar_type());
+    const auto xc = x.contiguous();
+    auto y = at::empty_like(xc);
+    const int64_t n = weight.size(0);
+    with_dtype(x.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      rms_norm_rows(xc.data_ptr<T>(), weight.data_ptr<T>(), y.data_ptr<T>(), xc.numel() / n, n, static_cast<float>(eps));
+    });
+    return y;
   }
 };
-
-// rotary.py's apply_rotary: x * cos + roll(x, R / 2) * signed_sin on the first R features.
-at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t r = cos.size(-1);
-  if (r == x.size(-1)) return x * cos + at::roll(x, {r / 2}, {-1}) * sin;
-  const auto rot = x.narrow(-1, 0, r);
-  return at::cat({rot * cos + at::roll(rot, {r / 2}, {-1}) * sin, x.narrow(-1, r, x.size(-1) - r)}, -1);
-}
 
 struct DecodeLayer : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim, activation;  // activation: 0 silu, 1 gelu (tanh)
@@ -90,11 +189,10 @@ struct DecodeLayer : torch::CustomClassHolder {
   }
 
   // x [B, hidden], one decode token of B sequences; cos / signed sin [B, 1, R]; the caches [blocks, block_size,
-  // kv_heads, head_dim]; slots [B]; tables [B, blocks] and mask [B, L] of the visible cache positions; for one
-  // sequence (B == 1) its visible keys [start, end) instead of the mask. -> [B, hidden]
+  // kv_heads, head_dim]; slots [B]; tables [B, blocks] and mask [B, blocks * block_size] of the visible cache
+  // positions. -> [B, hidden]
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                     at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& mask,
-                     int64_t start, int64_t end) {
+                     at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& mask) {
     const int64_t batch = x.size(0), q_width = heads * head_dim, kv_width = kv_heads * head_dim;
     // attention: models/llama.py LlamaAttention.forward
     const auto qkv_out = qkv(input_norm(x));
@@ -105,23 +203,31 @@ struct DecodeLayer : torch::CustomClassHolder {
       q = q_norm(q);
       k = k_norm(k);
     }
-    q = rotate(q, cos, sin);
-    k = rotate(k, cos, sin);
-    // layers/attention.py PagedAttention.forward and _decode
-    k_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slots, k.to(k_cache.scalar_type()));
-    v_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slots, v.to(v_cache.scalar_type()));
-    const auto flat = tables.flatten();
-    auto keys = k_cache.index_select(0, flat).view({batch, -1, kv_heads, head_dim}).transpose(1, 2).to(x.scalar_type());
-    auto values = v_cache.index_select(0, flat).view({batch, -1, kv_heads, head_dim}).transpose(1, 2).to(x.scalar_type());
-    const auto grouped = q.view({batch, kv_heads, heads / kv_heads, head_dim});
-    c10::optional<at::Tensor> visible;
-    if (batch == 1) {
-      keys = keys.narrow(2, start, end - start);
-      values = values.narrow(2, start, end - start);
-    } else {
-      visible = mask.view({batch, 1, 1, -1});
-    }
-    const auto attn = at::scaled_dot_product_attention(grouped, keys, values, visible, 0.0, false, scale);
+    // rotary, the cache write and attention natively (layers/attention.py's numbers up to float32 sums)
+    const int64_t r = cos.size(-1);
+    auto q_rot = at::empty({batch, heads, head_dim}, x.options());
+    auto k_rot = at::empty({batch, kv_heads, head_dim}, x.options());
+    auto attn = at::empty({batch, heads, head_dim}, x.options());
+    const auto cos_c = cos.contiguous(), sin_c = sin.contiguous(), v_c = v.contiguous();
+    const auto slots_c = slots.to(at::kLong).contiguous(), tables_c = tables.to(at::kLong).contiguous();
+    const auto mask_c = mask.to(at::kBool).contiguous();
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+                "DecodeLayer: contiguous key and value caches of one dtype expected");
+    with_dtype(x.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      rotate_rows(q.data_ptr<T>(), batch, heads, head_dim, q.stride(0), q.stride(1), cos_c.data_ptr<T>(),
+                  sin_c.data_ptr<T>(), r, q_rot.data_ptr<T>());
+      rotate_rows(k.data_ptr<T>(), batch, kv_heads, head_dim, k.stride(0), k.stride(1), cos_c.data_ptr<T>(),
+                  sin_c.data_ptr<T>(), r, k_rot.data_ptr<T>());
+      with_dtype(k_cache.scalar_type(), [&](auto cache_tag) {
+        using C = decltype(cache_tag);
+        decode_attention<T, C>(q_rot.data_ptr<T>(), k_rot.data_ptr<T>(), v_c.data_ptr<T>(), heads * head_dim,
+                               kv_heads * head_dim, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
+                               slots_c.data_ptr<int64_t>(), tables_c.data_ptr<int64_t>(), mask_c.data_ptr<bool>(),
+                               batch, tables_c.size(1), k_cache.size(1), heads, kv_heads, head_dim,
+                               static_cast<float>(scale), attn.data_ptr<T>());
+      });
+    });
     auto hidden = x + o(attn.reshape({batch, q_width}));
     // MLP: LlamaMLP.forward
     const auto gu = gate_up(post_norm(hidden));
