@@ -84,6 +84,7 @@ AVX512VNNI inline void int4_pairs_512(const uint8_t* q, __m512i& lo, __m512i& hi
 
 template <bool kInt4, typename S, int MR, int NB>
 AVX512VNNI void tile_512(Operand a, const void* wp, const S* sc, float* y, int64_t ldy, int64_t nvalid) {
+  constexpr int U = MR * NB >= 4 ? 1 : (MR * NB >= 2 ? 2 : 4);
   const int64_t groups = a.K / a.G;
   const int64_t wstride = (kInt4 ? a.K / 2 : a.K) * kBlock, sstride = groups * (kInt4 ? 2 : 1) * kBlock;
   __m512 acc[MR][NB];
@@ -92,37 +93,45 @@ AVX512VNNI void tile_512(Operand a, const void* wp, const S* sc, float* y, int64
 #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i isum[MR][NB];
+    // U independent sums a tile entry, over alternate k steps: one vpdpwssd chain waits ~5 cycles a step, so a
+    // small tile (decode: 1 row x 1 block) would wait on its single chain.
+    __m512i isum[MR][NB][U];
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 8
-      for (int j = 0; j < NB; ++j) isum[m][j] = _mm512_setzero_si512();
-    if constexpr (kInt4) {
-      const uint8_t* w = static_cast<const uint8_t*>(wp);
-      for (int64_t t = g * a.G / 4; t < (g + 1) * a.G / 4; ++t) {
-        __m512i lo[NB], hi[NB];
+      for (int j = 0; j < NB; ++j)
+#pragma GCC unroll 4
+        for (int u = 0; u < U; ++u) isum[m][j][u] = _mm512_setzero_si512();
+    const int64_t steps = kInt4 ? a.G / 4 : a.G / 2, first = g * steps;  // k quads (int4) or pairs (int8)
+    for (int64_t i = 0; i < steps; i += U) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) {
+        if (U > 1 && i + u >= steps) break;
+        const int64_t t = first + i + u;
+        if constexpr (kInt4) {
+          const uint8_t* w = static_cast<const uint8_t*>(wp);
+          __m512i lo[NB], hi[NB];
 #pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) int4_pairs_512(w + j * wstride + t * 2 * kBlock, lo[j], hi[j]);
+          for (int j = 0; j < NB; ++j) int4_pairs_512(w + j * wstride + t * 2 * kBlock, lo[j], hi[j]);
 #pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) {
-          const __m512i x01 = _mm512_set1_epi32(pair_at(a.xq + m * a.K + 4 * t));
-          const __m512i x23 = _mm512_set1_epi32(pair_at(a.xq + m * a.K + 4 * t + 2));
+          for (int m = 0; m < MR; ++m) {
+            const __m512i x01 = _mm512_set1_epi32(pair_at(a.xq + m * a.K + 4 * t));
+            const __m512i x23 = _mm512_set1_epi32(pair_at(a.xq + m * a.K + 4 * t + 2));
 #pragma GCC unroll 8
-          for (int j = 0; j < NB; ++j)
-            isum[m][j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[m][j], x01, lo[j]), x23, hi[j]);
-        }
-      }
-    } else {
-      const int8_t* w = static_cast<const int8_t*>(wp);
-      for (int64_t kp = g * a.G / 2; kp < (g + 1) * a.G / 2; ++kp) {
-        __m512i wv[NB];
+            for (int j = 0; j < NB; ++j)
+              isum[m][j][u] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[m][j][u], x01, lo[j]), x23, hi[j]);
+          }
+        } else {
+          const int8_t* w = static_cast<const int8_t*>(wp);
+          __m512i wv[NB];
 #pragma GCC unroll 8
-        for (int j = 0; j < NB; ++j) wv[j] = int8_pairs_512(w + j * wstride + kp * 2 * kBlock);
+          for (int j = 0; j < NB; ++j) wv[j] = int8_pairs_512(w + j * wstride + t * 2 * kBlock);
 #pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m) {
-          const __m512i xv = _mm512_set1_epi32(pair_at(a.xq + m * a.K + 2 * kp));
+          for (int m = 0; m < MR; ++m) {
+            const __m512i xv = _mm512_set1_epi32(pair_at(a.xq + m * a.K + 2 * t));
 #pragma GCC unroll 8
-          for (int j = 0; j < NB; ++j) isum[m][j] = _mm512_dpwssd_epi32(isum[m][j], xv, wv[j]);
+            for (int j = 0; j < NB; ++j) isum[m][j][u] = _mm512_dpwssd_epi32(isum[m][j][u], xv, wv[j]);
+          }
         }
       }
     }
@@ -135,7 +144,10 @@ AVX512VNNI void tile_512(Operand a, const void* wp, const S* sc, float* y, int64
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const int64_t i = m * groups + g;
-        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m][j]), _mm512_mul_ps(s, _mm512_set1_ps(a.sx[i])), acc[m][j]);
+        __m512i sum = isum[m][j][0];
+#pragma GCC unroll 4
+        for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, isum[m][j][u]);
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(a.sx[i])), acc[m][j]);
         if constexpr (kInt4) acc[m][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(a.xsum[i]), acc[m][j]);
       }
     }
