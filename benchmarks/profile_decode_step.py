@@ -1,6 +1,8 @@
 """Where a batch-1 decode step's time goes, on the realistic LLaVA (bench_model.py): the engine step's
 wall time split into the model's linears, paged attention, rotary, RMSNorm, the rest of the forward,
-the sampler, and the engine around the model (scheduling, positions and metadata, outputs).
+the sampler, and the engine around the model (scheduling, positions and metadata, outputs). A layer that runs
+natively (models/native_decode.py) is one part, "native decode layers", its linears included; the linears
+part is then the lm_head's.
 
 Module times come from forward hooks (perf_counter around each call; the hooks' own cost, a few
 microseconds a call, lands in the measured parts), the sampler's from wrapping it where the runner
@@ -22,6 +24,7 @@ from tessera.layers.attention import PagedAttention
 from tessera.layers.layernorm import RMSNorm
 from tessera.layers.linear import Linear
 from tessera.layers.rotary import RotaryEmbedding
+from tessera.models.native_decode import NativeDecodeLayer
 
 PARTS = {Linear: "linears", PagedAttention: "paged attention", RotaryEmbedding: "rotary", RMSNorm: "RMSNorm"}
 PROMPT = "USER: Tell me a long story about a lighthouse. ASSISTANT:"
@@ -76,6 +79,8 @@ def main() -> None:
     model = engine.model
     model.forward, model.compute_logits = timed(model.forward, "forward"), timed(model.compute_logits, "forward")
     model_runner.sample = timed(sample, "sampler")
+    native_call = NativeDecodeLayer.__call__
+    NativeDecodeLayer.__call__ = timed(native_call, "native decode layers")
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
     engine.add_request("profile", PROMPT, params)
     engine.step()  # the prefill: not counted
@@ -86,8 +91,9 @@ def main() -> None:
         steps += 1
     wall = time.perf_counter() - start
     model_runner.sample = sample
+    NativeDecodeLayer.__call__ = native_call
 
-    parts = {name: totals[name] for name in PARTS.values()}
+    parts = {name: totals[name] for name in (*PARTS.values(), "native decode layers")}
     rows = [
         *parts.items(),
         ("other forward ops", totals["forward"] - sum(parts.values())),
