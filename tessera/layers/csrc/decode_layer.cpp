@@ -127,14 +127,15 @@ void axpy(float p, const C* value, float* acc, int64_t d) {
 // scale * q . k over the cache positions its mask row shows (table order), times v; float32 sums, the output
 // rounded to T. cache [blocks, block_size, kv_heads, D]; tables [B, nb]; mask [B, nb * block_size].
 template <typename T, typename C>
-void decode_attention(const T* q, const T* k, const T* v, int64_t q_row, int64_t kv_row, C* k_cache, C* v_cache,
+void decode_attention(const T* q, const T* k, const T* v, int64_t q_row, int64_t kv_row, int64_t v_row, C* k_cache,
+                      C* v_cache,
                       const int64_t* slots, const int64_t* tables, const bool* mask, int64_t batch, int64_t nb,
                       int64_t block_size, int64_t heads, int64_t kv_heads, int64_t d, float scale, T* out) {
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t i = 0; i < d; ++i) {
         k_cache[(slots[b] * kv_heads + h) * d + i] = static_cast<C>(as_float(k[b * kv_row + h * d + i]));
-        v_cache[(slots[b] * kv_heads + h) * d + i] = static_cast<C>(as_float(v[b * kv_row + h * d + i]));
+        v_cache[(slots[b] * kv_heads + h) * d + i] = static_cast<C>(as_float(v[b * v_row + h * d + i]));
       }
   const int64_t group = heads / kv_heads, positions = nb * block_size;
   const int64_t work = batch * heads * positions * d;
@@ -163,6 +164,27 @@ void decode_attention(const T* q, const T* k, const T* v, int64_t q_row, int64_t
       for (int64_t i = 0; i < d; ++i) out[(b * heads + h) * d + i] = static_cast<T>(acc[i] / total);
     }
   });
+}
+
+// out = a + b, and act(gate) * up for the gated MLP's [B, 2 I] gate / up halves, each value rounded to T where the
+// eager ops round it (the residual adds, `act(gate)`, the product).
+template <typename T>
+void add_rows(const T* a, const T* b, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(as_float(a[i]) + as_float(b[i]));
+}
+
+template <typename T>
+void gated_rows(const T* gate_up, T* out, int64_t rows, int64_t inter, int64_t activation) {
+  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi), torch's gelu(approximate="tanh")
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = as_float(g[i]);
+      const float act = activation == 0 ? x / (1.0f + std::exp(-x))
+                                        : 0.5f * x * (1.0f + std::tanh(kAlpha * (x + 0.044715f * x * x * x)));
+      out[r * inter + i] = static_cast<T>(as_float(static_cast<T>(act)) * as_float(g[inter + i]));
+    }
+  }
 }
 
 template <typename F>
@@ -223,46 +245,67 @@ struct DecodeLayer : torch::CustomClassHolder {
                      at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& mask) {
     const int64_t batch = x.size(0), q_width = heads * head_dim, kv_width = kv_heads * head_dim;
     // attention: models/llama.py LlamaAttention.forward
-    const auto qkv_out = qkv(input_norm(x));
-    auto q = qkv_out.narrow(-1, 0, q_width).view({batch, heads, head_dim});
-    auto k = qkv_out.narrow(-1, q_width, kv_width).view({batch, kv_heads, head_dim});
-    const auto v = qkv_out.narrow(-1, q_width + kv_width, kv_width).reshape({batch, kv_heads, head_dim});
+    const auto qkv_out = qkv(input_norm(x)).contiguous();  // [B, q | k | v]
+    const int64_t width = qkv_out.size(1);
+    // q and k as they are in qkv_out (row stride `width`), or normed copies (Qwen3, Gemma 3's q/k norms)
+    at::Tensor q_normed, k_normed;
     if (q_norm.defined()) {
-      q = q_norm(q);
-      k = k_norm(k);
+      q_normed = q_norm(qkv_out.narrow(-1, 0, q_width).view({batch, heads, head_dim}));
+      k_normed = k_norm(qkv_out.narrow(-1, q_width, kv_width).view({batch, kv_heads, head_dim}));
     }
     // rotary, the cache write and attention natively (layers/attention.py's numbers up to float32 sums)
     const int64_t r = cos.size(-1);
     auto q_rot = at::empty({batch, heads, head_dim}, x.options());
     auto k_rot = at::empty({batch, kv_heads, head_dim}, x.options());
     auto attn = at::empty({batch, heads, head_dim}, x.options());
-    const auto cos_c = cos.contiguous(), sin_c = sin.contiguous(), v_c = v.contiguous();
+    const auto cos_c = cos.contiguous(), sin_c = sin.contiguous();
     const auto slots_c = slots.to(at::kLong).contiguous(), tables_c = tables.to(at::kLong).contiguous();
     const auto mask_c = mask.to(at::kBool).contiguous();
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
                 "DecodeLayer: contiguous key and value caches of one dtype expected");
     with_dtype(x.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      rotate_rows(q.data_ptr<T>(), batch, heads, head_dim, q.stride(0), q.stride(1), cos_c.data_ptr<T>(),
-                  sin_c.data_ptr<T>(), r, q_rot.data_ptr<T>());
-      rotate_rows(k.data_ptr<T>(), batch, kv_heads, head_dim, k.stride(0), k.stride(1), cos_c.data_ptr<T>(),
-                  sin_c.data_ptr<T>(), r, k_rot.data_ptr<T>());
+      const T* base = qkv_out.data_ptr<T>();
+      const T* q = q_normed.defined() ? q_normed.data_ptr<T>() : base;
+      const T* k = k_normed.defined() ? k_normed.data_ptr<T>() : base + q_width;
+      const int64_t q_row = q_normed.defined() ? q_width : width, k_row = k_normed.defined() ? kv_width : width;
+      rotate_rows(q, batch, heads, head_dim, q_row, head_dim, cos_c.data_ptr<T>(), sin_c.data_ptr<T>(), r,
+                  q_rot.data_ptr<T>());
+      rotate_rows(k, batch, kv_heads, head_dim, k_row, head_dim, cos_c.data_ptr<T>(), sin_c.data_ptr<T>(), r,
+                  k_rot.data_ptr<T>());
       with_dtype(k_cache.scalar_type(), [&](auto cache_tag) {
         using C = decltype(cache_tag);
-        decode_attention<T, C>(q_rot.data_ptr<T>(), k_rot.data_ptr<T>(), v_c.data_ptr<T>(), heads * head_dim,
-                               kv_heads * head_dim, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
-                               slots_c.data_ptr<int64_t>(), tables_c.data_ptr<int64_t>(), mask_c.data_ptr<bool>(),
-                               batch, tables_c.size(1), k_cache.size(1), heads, kv_heads, head_dim,
-                               static_cast<float>(scale), attn.data_ptr<T>());
+        decode_attention<T, C>(q_rot.data_ptr<T>(), k_rot.data_ptr<T>(), base + q_width + kv_width, q_width, kv_width,
+                               width, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), slots_c.data_ptr<int64_t>(),
+                               tables_c.data_ptr<int64_t>(), mask_c.data_ptr<bool>(), batch, tables_c.size(1),
+                               k_cache.size(1), heads, kv_heads, head_dim, static_cast<float>(scale),
+                               attn.data_ptr<T>());
       });
     });
-    auto hidden = x + o(attn.reshape({batch, q_width}));
-    // MLP: LlamaMLP.forward
-    const auto gu = gate_up(post_norm(hidden));
+    // o + residual, then the MLP (LlamaMLP.forward) + residual
+    const auto xc = x.contiguous();
+    auto hidden = at::empty_like(xc);
+    const auto o_out = o(attn.view({batch, q_width})).contiguous();
+    const auto gu = gate_up(post_norm(residual(xc, o_out, hidden))).contiguous();
     const int64_t inter = gu.size(-1) / 2;
-    const auto gate = gu.narrow(-1, 0, inter), up = gu.narrow(-1, inter, inter);
-    const auto act = activation == 0 ? at::silu(gate) : at::gelu(gate, "tanh");
-    return hidden + down(act * up);
+    auto act = at::empty({batch, inter}, x.options());
+    with_dtype(x.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      gated_rows(gu.data_ptr<T>(), act.data_ptr<T>(), batch, inter, activation);
+    });
+    const auto down_out = down(act).contiguous();
+    return residual(hidden, down_out, at::empty_like(xc));
+  }
+
+  // out = a + b (same shapes, contiguous, x's dtype)
+  static const at::Tensor& residual(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
+    TORCH_CHECK(a.scalar_type() == b.scalar_type(), "DecodeLayer: a residual of ", b.scalar_type(), " for ",
+                a.scalar_type());
+    with_dtype(a.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      add_rows(a.data_ptr<T>(), b.data_ptr<T>(), out.data_ptr<T>(), a.numel());
+    });
+    return out;
   }
 };
 
