@@ -17,8 +17,10 @@ from tessera import LLM, SamplingParams
 
 
 def read_bandwidth(num_bytes: int = 1 << 30) -> float:
-    """Bytes/s of summing a buffer far larger than the caches (best of a few)."""
-    buffer = torch.ones(num_bytes // 4)
+    """Bytes/s of summing a buffer far larger than the caches (best of a few). Random values: the pages of a
+    constant buffer are all alike, and the host may merge them (same-page merging), which then reads from cache
+    (a `torch.ones` buffer read at 52-57 GB/s on a machine that streams ~32)."""
+    buffer = torch.rand(num_bytes // 4, generator=torch.Generator().manual_seed(0))
     buffer.sum()
     best = float("inf")
     for _ in range(5):
@@ -33,8 +35,6 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    # Measured before the model runs: right after a bfloat16 decode the same probe read 57 GB/s on a machine
-    # that sustains ~33 (2026-11-26), inflating the roofline.
     bandwidth = read_bandwidth()
     llm = LLM(str(bench_model()), kv_cache_memory="1GiB", dtype=args.dtype)
     # Every weight is read once per token; the tied embedding once (as lm_head; the lookup reads a
