@@ -9,6 +9,7 @@ import torch
 
 from tessera import LLM, SamplingParams
 from tessera.layers.cpu_kernels import DEQUANT, ENV, NATIVE
+from tessera.layers.int4_kernels import INT4_MM
 from tessera.layers.linear import Linear
 from tessera.layers.quantization import dequantized_weight, quantized_values
 from tessera.testing.generation import greedy_logprobs
@@ -30,6 +31,11 @@ def dequantized_and_step(layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
     scale)."""
     scale = quantized_values(layer)[1].double()
     return dequantized_weight(layer), scale.repeat_interleave(layer.in_features // scale.shape[1], dim=1)
+
+
+def stored_rows(layer: Linear) -> int:
+    """The output rows a quantized layer stores: padded to 16k for the native kernels and torch's int4 op."""
+    return -(-layer.out_features // 16) * 16 if layer.quant_kernel in (NATIVE, INT4_MM) else layer.out_features
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +64,15 @@ def test_only_the_language_model_is_quantized(dense, quantized):
 def test_linear_weight_bytes(dense, quantized):
     """int8: a byte a weight plus a float32 scale per group of 32 (9/32 of float32); int4: half a byte plus a
     float32 scale and zero per group (3/16), every in_features here being a multiple of 32, of out_features
-    padded to 16k for the native kernels (lm_head: 514 -> 528)."""
+    padded to 16k for the native kernels and torch's int4 op (lm_head: 514 -> 528)."""
     with torch.device("meta"):  # the float model's linears are packed: count their shapes
         meta = type(dense.engine.model)(dense.engine.model_config.hf_config).language_model
     fp32 = sum(m.weight.numel() * 4 for m in meta.modules() if isinstance(m, Linear))
     layers = linears(quantized).values()
-    assert all(m.quant_kernel == NATIVE for m in layers)
     kept = sum(
         m.qweight.numel() * m.qweight.element_size() + m.qscale.numel() * m.qscale.element_size() for m in layers
     )
-    padded = sum(-(-m.out_features // 16) * 16 * m.in_features * 4 for m in layers)
+    padded = sum(stored_rows(m) * m.in_features * 4 for m in layers)
     ratio = {"int8": (9, 32), "int4": (3, 16)}[quantized.engine.model_config.quantization]
     assert kept == padded * ratio[0] // ratio[1] and fp32 * ratio[0] // ratio[1] <= kept
 
@@ -114,6 +119,7 @@ def test_the_native_kernels_give_the_logits_of_the_fallback(tiny_llava_dir, monk
     the order of float32 sums and the native kernels' int16 x (an error of at most 2^-16 of a group's largest
     |x| an element): each linear's output moves by at most 1.5e-5 of its sum of |terms|, and 15 linears (2
     layers of 7, the lm_head) add at most ~2.3e-4; 5e-4 of the log-probs' spread bounds it (seen: ~1e-4)."""
+    monkeypatch.delenv(ENV, raising=False)
     auto = make(tiny_llava_dir, quantization=method)
     monkeypatch.setenv(ENV, "fallback")
     fallback = make(tiny_llava_dir, quantization=method)

@@ -10,9 +10,11 @@ The ISA is the CPU's: AVX-512 (F, BW, VL) where present, else AVX2 + FMA + F16C;
 kernel. `ATEN_CPU_CAPABILITY=avx2` (as `make test` sets for the layer tests) forces the AVX2 path on a newer
 CPU.
 
-What is here so far (issue 37's first step): `gemv`, the weight-streaming product of decode steps, over
-weights re-packed once (`pack_gemv_weight`); `benchmarks/bench_gemv.py` measures it against oneDNN's packed
-linear. The engine's linears do not call it yet.
+What is here: the weight-streaming products the engine's linears run, each over weights re-packed once at
+load in blocks of 16 outputs (`gemv`: float32 / 16-bit weights, `gemv_bf16dot`: AVX512-BF16 pairs, `gemv_int8` /
+`gemv_int4`: integer dot products; `benchmarks/bench_gemv.py` measures them), and `DecodeLayer`, a Llama-shaped
+decoder layer's decode step as one call (`models/native_decode.py`). The `gemv*` functions check their
+arguments; `linear*` are the engine's unchecked hot paths.
 """
 
 from __future__ import annotations
@@ -130,10 +132,7 @@ def describe() -> str:
 def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
     """A dense [N, K] weight -> the layout `gemv` streams: [ceil(N / 16), K, 16], the outputs of each block
     of 16 side by side at each k (rows past N are zero)."""
-    n, k = weight.shape
-    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k, dtype=weight.dtype)
-    padded[:n] = weight.detach()
-    return padded.view(-1, BLOCK, k).transpose(1, 2).contiguous()
+    return _blocks(weight.detach()).transpose(1, 2).contiguous()
 
 
 def has_bf16_dot() -> bool:
@@ -152,10 +151,9 @@ def has_amx() -> bool:
 def pack_bf16dot_weight(weight: torch.Tensor) -> torch.Tensor:
     """A dense bfloat16 [N, K] weight -> the layout `gemv_bf16dot` streams: [ceil(N / 16), ceil(K / 2), 16, 2],
     at each pair of k the 16 outputs' two weights side by side (zeros past N and K)."""
-    n, k = weight.shape
-    padded = torch.zeros(-(-n // BLOCK) * BLOCK, k + k % 2, dtype=torch.bfloat16)
-    padded[:n, :k] = weight.detach()
-    return padded.view(-1, BLOCK, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
+    k = weight.shape[1]
+    even = torch.nn.functional.pad(weight.detach().to(torch.bfloat16), (0, k % 2))
+    return _blocks(even).view(-1, BLOCK, (k + 1) // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def gemv_bf16dot(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -204,10 +202,10 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Ten
     return torch.ops.tessera.gemv(x, packed, n, bias, _isa(cpu_isa()))
 
 
-def _blocks(t: torch.Tensor, fill: float = 0) -> torch.Tensor:
-    """[N, ...] -> [ceil(N / 16), 16, ...], rows past N filled with `fill`."""
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] -> [ceil(N / 16), 16, ...], rows past N zero."""
     n = t.shape[0]
-    padded = t.new_full((-(-n // BLOCK) * BLOCK, *t.shape[1:]), fill)
+    padded = t.new_zeros((-(-n // BLOCK) * BLOCK, *t.shape[1:]))
     padded[:n] = t
     return padded.view(-1, BLOCK, *t.shape[1:])
 

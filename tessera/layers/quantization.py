@@ -87,24 +87,25 @@ def quantize_int4(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tu
     return q, torch.stack((stored, zero), dim=-1).transpose(0, 1).contiguous()
 
 
-def _quantize_int8_layer(module: Linear, weight: torch.Tensor, mode: str) -> Optional[str]:
+def _quantize_int8_layer(module: Linear, weight: torch.Tensor, mode: str) -> bool:
     group = INT8_GROUP_SIZE if weight.shape[1] % INT8_GROUP_SIZE == 0 else weight.shape[1]
     q, scale = quantize_int8(weight, group)
     native = weight.device.type == "cpu" and weight.shape[1] % 2 == 0 and int8_kernel(mode) == NATIVE
     module.quant_kernel = NATIVE if native else DEQUANT
     module.qweight, module.qscale = native_kernels.pack_int8(q, scale) if native else (q, scale)
-    return "native" if native else "de-quantize"
+    return True
 
 
-def _quantize_int4_layer(module: Linear, weight: torch.Tensor, mode: str, group_size: int) -> Optional[str]:
+def _quantize_int4_layer(module: Linear, weight: torch.Tensor, mode: str, group_size: int) -> bool:
+    """Quantizes `module` (setting its `quant_kernel`); False where it stays float."""
     if weight.shape[1] % group_size:
-        return None  # stays float
+        return False
     q, scales_and_zeros = quantize_int4(weight, group_size)
     kernel = int4_kernel(weight.dtype, mode) if weight.device.type == "cpu" else DEQUANT
     if kernel == NATIVE and group_size % 4 == 0 and group_size <= 4096:
         module.quant_kernel = NATIVE
         module.qweight, module.qscale = native_kernels.pack_int4(q, *scales_and_zeros.permute(2, 1, 0))
-        return "native"
+        return True
     use_mm = kernel == INT4_MM and int4_mm_takes(weight.shape[1], group_size)
     module.quant_kernel = INT4_MM if use_mm else DEQUANT
     pad = -weight.shape[0] % INT4_MM_N_ALIGN if use_mm else 0
@@ -114,7 +115,7 @@ def _quantize_int4_layer(module: Linear, weight: torch.Tensor, mode: str, group_
             (scales_and_zeros, scales_and_zeros.new_zeros(scales_and_zeros.shape[0], pad, 2)), 1
         )
     module.qweight, module.qscale = pack_int4(q, op_layout=use_mm), scales_and_zeros
-    return "int4 mm" if use_mm else "de-quantize"
+    return True
 
 
 def quantized_values(module: Linear) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -182,12 +183,11 @@ def quantize_linears(
         packed = module.packed_weight is not None or module.native_weight is not None
         if weight is None or not weight.is_floating_point() or weight.dim() != 2 or packed:
             continue
-        kernel = quantize(module, weight, mode)
-        if kernel is None:
+        if not quantize(module, weight, mode):
             kept_float += 1
             continue
         module.quantization = method
-        kernels.add(kernel)
+        kernels.add(module.quant_kernel)
         if users[id(weight)] == 1:
             module.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
         count += 1

@@ -114,7 +114,7 @@ class LlamaDecoderLayer(DecoderLayer):
         if self._native is not False and is_decode_step(hidden_states):
             if self._native is None:
                 self._native = NativeDecodeLayer.build(self, self.mlp.activation) or False
-            if self._native:
+            if self._native and self._native.dtype == hidden_states.dtype:
                 return self._native(positions, hidden_states)
         return super().forward(positions, hidden_states)
 

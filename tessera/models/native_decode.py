@@ -36,8 +36,10 @@ ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 class NativeDecodeLayer:
     """The native decode layer of one `LlamaDecoderLayer` (`build` says whether it can have one)."""
 
-    def __init__(self, layer: nn.Module, native: torch.ScriptObject) -> None:
+    def __init__(self, layer: nn.Module, native: torch.ScriptObject, dtype: torch.dtype) -> None:
         self.attn, self.rope, self.native = layer.self_attn.attn, layer.self_attn.rotary_emb, native
+        self.dtype = dtype
+        """The hidden states' dtype it runs (its norms' weights'); others run the eager layer."""
 
     @classmethod
     def build(cls, layer: nn.Module, activation: str) -> Optional[NativeDecodeLayer]:
@@ -54,6 +56,7 @@ class NativeDecodeLayer:
             or activation not in ACTIVATIONS
             or attn.attn.logits_soft_cap is not None
             or not all(type(n) is RMSNorm for n in norms.values())
+            or len({n.weight.dtype for n in norms.values()}) != 1
             or any(getattr(m, "tp", None) is not None and m.tp.world_size > 1 for m in linears.values())
             or any(p.device.type != "cpu" for p in layer.parameters())
         ):
@@ -70,7 +73,7 @@ class NativeDecodeLayer:
             module = linears[name]
             bias = None if module.bias is None else module.bias.detach()
             native.set_linear(name, int(kind), weight.detach(), scales, bias, module.out_features, isa)
-        return cls(layer, native)
+        return cls(layer, native, layer.input_layernorm.weight.dtype)
 
     def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions [B], hidden [B, hidden] of a pure decode step -> the layer's output [B, hidden]."""

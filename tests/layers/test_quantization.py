@@ -38,7 +38,9 @@ KERNELS = ["native", "torch"]  # "torch": as on a machine without the native ker
 
 @pytest.fixture(params=KERNELS)
 def kernels(request, monkeypatch):
-    """Each test once with the native kernels and once as where they are not built."""
+    """Each test once with the native kernels and once as where they are not built (under "auto", whatever
+    $TESSERA_CPU_KERNELS the suite runs with)."""
+    monkeypatch.delenv(ENV, raising=False)
     if request.param == "torch":
         monkeypatch.setattr(native_kernels, "available", lambda: False)
     elif not native_kernels.available():

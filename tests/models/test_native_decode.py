@@ -28,6 +28,12 @@ TEXT_MODELS = {
 }  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def kernels_on(monkeypatch):
+    """These tests are about the native layer: they run it whatever $TESSERA_CPU_KERNELS the suite runs with."""
+    monkeypatch.delenv(ENV, raising=False)
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, tiny_llava_dir):
     built = {"llava": tiny_llava_dir}
