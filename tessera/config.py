@@ -38,9 +38,10 @@ scale and zero per group of 32 inputs of an output channel."""
 
 
 AUTO_QUANTIZATION = "auto"
-"""`ModelConfig.quantization="auto"`: a GGUF file's matrices stay about as small as the file has them
-(`gguf_file.gguf_quantization`: 4-bit types -> "int4", 8-bit -> "int8", float -> none); other checkpoints
-are not quantized."""
+"""`ModelConfig.quantization="auto"`: a GGUF file's quantized matrices keep the values of its blocks (Q8_0, Q4_0,
+Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: `layers.gguf_blocks`) where the native kernels run, and the others are
+quantized to the method that keeps them about as small as the file has them (`gguf_file.gguf_quantization`:
+4-bit types -> "int4", 8-bit -> "int8", float -> none); other checkpoints are not quantized."""
 
 
 def check_quantization(value: Optional[str], *, allow_auto: bool = False) -> Optional[str]:
@@ -146,6 +147,10 @@ class ModelConfig:
     gguf_file: Optional[str] = field(init=False, default=None)
     """The GGUF file the model is read from, when `model` names one; None for a Hugging Face folder."""
 
+    keep_gguf_blocks: bool = field(init=False, default=False)
+    """quantization="auto" on a GGUF file: its quantized matrices keep their blocks' values where the native
+    kernels run them (`layers.gguf_blocks`); the rest is quantized by `quantization`."""
+
     def __post_init__(self) -> None:
         folder = Path(self.model)
         gguf_file = find_gguf_file(folder)
@@ -168,6 +173,7 @@ class ModelConfig:
         file_quantization = gguf_quantization(gguf_file) if gguf_file is not None else None
         if self.quantization == AUTO_QUANTIZATION:
             self.quantization = file_quantization
+            self.keep_gguf_blocks = file_quantization is not None
             logger.info("quantization='auto': %s", self.quantization or "none (dense weights)")
         elif self.quantization is None and file_quantization is not None:
             logger.info(

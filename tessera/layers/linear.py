@@ -48,6 +48,9 @@ class Linear(nn.Linear):
     quant_kernel: Optional[str] = None
     """A quantized layer's kernel, which also fixes the layout of `qweight` / `qscale`: `cpu_kernels.NATIVE`
     (`native_kernels.pack_int8` / `pack_int4`), `int4_kernels.INT4_MM` (torch's int4 op) or `cpu_kernels.DEQUANT`."""
+    qzero_point: int = 8
+    """int4's zero point p (w = (q - p) * scale + zero): 8 as Tessera quantizes (torch's formula), 0 for the
+    blocks of a GGUF file (w = q * d + m, `gguf_blocks`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -57,9 +60,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             flat = x.reshape(-1, x.shape[-1])
-            if self.quant_kernel == NATIVE:
-                native = native_kernels.linear_int4 if self.quantization == "int4" else native_kernels.linear_int8
-                out = native(flat, self.qweight, self.qscale, self.out_features, self.bias)
+            if self.quant_kernel == NATIVE and self.quantization == "int4":
+                out = native_kernels.linear_int4(
+                    flat, self.qweight, self.qscale, self.out_features, self.bias, self.qzero_point
+                )
+            elif self.quant_kernel == NATIVE:
+                out = native_kernels.linear_int8(flat, self.qweight, self.qscale, self.out_features, self.bias)
             elif self.quantization == "int4":
                 use_mm = self.quant_kernel == INT4_MM
                 out = int4_linear(flat, self.qweight, self.qscale, self.bias, use_mm, self.out_features)

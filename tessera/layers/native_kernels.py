@@ -210,22 +210,27 @@ def _blocks(t: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, BLOCK, *t.shape[1:])
 
 
-def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 values q [N, K] (K even) with a scale per group of inputs, scale [N, K / G] (w = q * scale), or one per
-    output, scale [N] -> the layout `gemv_int8` streams: int8 [ceil(N / 16), K / 2, 16, 2] (at each k pair the 16
-    outputs' two values side by side) and scales [ceil(N / 16), K / G, 16] (rows past N zero). A scale per output
+def pack_int8(
+    q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values q [N, K] (K even) with a scale per group of inputs, scale [N, K / G] (w = q * scale, or with a
+    `zero` [N, K / G] w = q * scale + zero), or one per output, scale [N] -> the layout `gemv_int8` streams: int8
+    [ceil(N / 16), K / 2, 16, 2] (at each k pair the 16 outputs' two values side by side) and scales
+    [ceil(N / 16), K / G, 16] (with zeros [ceil(N / 16), K / G, 2, 16]; rows past N zero). A scale per output
     is repeated over groups of the largest even divisor of K up to 512 (the kernel sums a group in int32)."""
     n, k = q.shape
     if scale.dim() == 1:
         group = max(g for g in range(2, min(k, 512) + 1, 2) if k % g == 0)
         scale = scale[:, None].expand(n, k // group)
     pairs = _blocks(q).view(-1, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return pairs, _blocks(scale).transpose(1, 2).contiguous()
+    if zero is None:
+        return pairs, _blocks(scale).transpose(1, 2).contiguous()
+    return pairs, _blocks(torch.stack((scale, zero), dim=1)).permute(0, 3, 2, 1).contiguous()
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """4-bit values q (0..15) [N, K] (K a multiple of 4) with a scale and a zero per group, [N, K / G] each
-    (w = (q - 8) * scale + zero) -> the layout `gemv_int4` streams: uint8 [ceil(N / 16), K / 4, 16, 2], of each
+    (w = (q - p) * scale + zero, p the kernel's zero point) -> the layout `gemv_int4` streams: uint8 [ceil(N / 16), K / 4, 16, 2], of each
     4 k byte (i, 0) holding output i's q at k 4t (low nibble) and 4t + 2 (high), byte (i, 1) those at 4t + 1 and
     4t + 3; and scales [ceil(N / 16), K / G, 2, 16] (rows past N zero)."""
     n, k = q.shape
@@ -246,28 +251,35 @@ def linear_int8(x, packed, scales, n: int, bias=None) -> torch.Tensor:
     return torch.ops.tessera.gemv_int8(x, packed, scales, n, bias, quant_isa())
 
 
-def linear_int4(x, packed, scales, n: int, bias=None) -> torch.Tensor:
+def linear_int4(x, packed, scales, n: int, bias=None, zero_point: int = 8) -> torch.Tensor:
     """x [M, K] @ a `pack_int4` weight of `n` outputs (+ bias) -> [M, n] in x's dtype; unchecked (engine linears)."""
-    return torch.ops.tessera.gemv_int4(x, packed, scales, n, bias, quant_isa())
+    return torch.ops.tessera.gemv_int4(x, packed, scales, n, bias, quant_isa(), zero_point)
 
 
 def gemv_int8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, bias=None) -> torch.Tensor:
     """x [M, K] @ the int8 weight (`pack_int8`) of `n` outputs (+ bias) -> [M, n] in x's dtype, by int16 dot
     products: x quantized per row and group to int16 (an error of at most max |x| of the group / 65534 an
-    element), sums exact in int32 per group, then float32."""
+    element), sums exact in int32 per group, then float32. Scales [N / 16, K / G, 16] (w = q * s) or with
+    zeros, [N / 16, K / G, 2, 16] (w = q * s + z)."""
     k = x.shape[-1] if x.dim() == 2 and x.shape[-1] % 2 == 0 else -2
     _check(x, packed, n, bias, (-(-n // BLOCK), k // 2, BLOCK, 2), (torch.int8,))
-    _check_scales(scales, packed.shape[0], k, (BLOCK,), multiple=2, largest=512)
+    tail = (2, BLOCK) if scales.dim() == 4 else (BLOCK,)
+    _check_scales(scales, packed.shape[0], k, tail, multiple=2, largest=512)
     return torch.ops.tessera.gemv_int8(x, packed, scales, n, bias, _isa(quant_isa()))
 
 
-def gemv_int4(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, bias=None) -> torch.Tensor:
-    """x [M, K] @ the int4 weight (`pack_int4`) of `n` outputs (+ bias) -> [M, n] in x's dtype, by int16 dot
-    products as `gemv_int8` (each group: s * sum(q * xq) * sx + (z - 8 s) * sum(xq) * sx)."""
+def gemv_int4(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int, bias=None, zero_point: int = 8
+) -> torch.Tensor:
+    """x [M, K] @ the int4 weight (`pack_int4`, w = (q - zero_point) * s + z) of `n` outputs (+ bias) -> [M, n]
+    in x's dtype, by int16 dot products as `gemv_int8` (each group: s * sum(q * xq) * sx + (z - zero_point * s)
+    * sum(xq) * sx)."""
     k = x.shape[-1] if x.dim() == 2 and x.shape[-1] % 4 == 0 else -4
     _check(x, packed, n, bias, (-(-n // BLOCK), k // 4, BLOCK, 2), (torch.uint8,))
     _check_scales(scales, packed.shape[0], k, (2, BLOCK), multiple=4, largest=4096)
-    return torch.ops.tessera.gemv_int4(x, packed, scales, n, bias, _isa(quant_isa()))
+    if not 0 <= zero_point <= 15:
+        raise ValueError(f"native kernels: an int4 zero point in 0..15 expected, got {zero_point}")
+    return torch.ops.tessera.gemv_int4(x, packed, scales, n, bias, _isa(quant_isa()), zero_point)
 
 
 def _check_scales(scales: torch.Tensor, blocks: int, k: int, tail: tuple[int, ...], multiple: int, largest: int):

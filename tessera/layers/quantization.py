@@ -26,7 +26,7 @@ import functools
 import logging
 import math
 import platform
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Optional
 
 import torch
@@ -35,6 +35,7 @@ from torch import nn
 from ..config import check_quantization
 from . import native_kernels
 from .cpu_kernels import DEQUANT, NATIVE, int8_kernel, kernel_mode
+from .gguf_blocks import QuantizedBlocks
 from .int4_kernels import INT4_MM, INT4_MM_N_ALIGN, int4_kernel, int4_layout, int4_mm_takes, pack_int4, unpack_int4
 from .linear import Linear
 
@@ -118,15 +119,38 @@ def _quantize_int4_layer(module: Linear, weight: torch.Tensor, mode: str, group_
     return True
 
 
+def keep_gguf_blocks(module: Linear, blocks: QuantizedBlocks, mode: str) -> Optional[str]:
+    """Packs a GGUF file's blocks (their values exactly) for the native kernels: "int4" (zero point 0) where every
+    q is in 0..15, else "int8" (with zeros where the type has them); None where the native kernels do not run
+    here or the shape does not fit them (the layer is then quantized from its de-quantized weight)."""
+    if module.weight.device.type != "cpu" or int8_kernel(mode) != NATIVE:
+        return None
+    rows, cols = blocks.q.shape
+    if (rows, cols) != (module.out_features, module.in_features) or blocks.group % 2 or blocks.group > 512:
+        return None
+    if blocks.four_bit and cols % 4 == 0 and blocks.group % 4 == 0:
+        module.qweight, module.qscale = native_kernels.pack_int4(blocks.q.to(torch.uint8), blocks.scale, blocks.zero)
+        module.qzero_point, module.quantization = 0, "int4"
+    else:
+        module.qweight, module.qscale = native_kernels.pack_int8(blocks.q, blocks.scale, blocks.zero)
+        module.quantization = "int8"
+    module.quant_kernel = NATIVE
+    return module.quantization
+
+
 def quantized_values(module: Linear) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """A quantized layer's values whatever its kernel's layout: q [out, in] (int8, or uint8 0..15 for int4), the
-    scales [out, groups] and (int4) the zeros [out, groups], else None; without any padding rows."""
+    scales [out, groups] and the zeros [out, groups] (int4; int8 from a GGUF file's blocks), else None; without any
+    padding rows. `dequantized_weight` says how they combine."""
     n = module.out_features
     if module.quantization == "int8":
         if module.quant_kernel == NATIVE:
-            pairs, scales = module.qweight, module.qscale  # [blocks, K / 2, 16, 2], [blocks, groups, 16]
+            pairs, scales = module.qweight, module.qscale  # [blocks, K / 2, 16, 2], [blocks, groups, (2,) 16]
             q = pairs.permute(0, 2, 1, 3).reshape(-1, module.in_features)[:n]
-            return q, scales.transpose(1, 2).reshape(-1, scales.shape[1])[:n], None
+            if scales.dim() == 3:
+                return q, scales.transpose(1, 2).reshape(-1, scales.shape[1])[:n], None
+            scale_zero = scales.permute(0, 3, 1, 2).reshape(-1, scales.shape[1], 2)[:n]
+            return q, scale_zero[..., 0], scale_zero[..., 1]
         return module.qweight, module.qscale, None
     if module.quant_kernel == NATIVE:
         nibbles, scales = module.qweight, module.qscale  # [blocks, K / 4, 16, 2], [blocks, groups, 2, 16]
@@ -139,14 +163,15 @@ def quantized_values(module: Linear) -> tuple[torch.Tensor, torch.Tensor, Option
 
 
 def dequantized_weight(module: Linear) -> torch.Tensor:
-    """A quantized layer's weight [out, in] in float64, exactly: int8 q * scale, int4 (q - 8) * scale + zero."""
+    """A quantized layer's weight [out, in] in float64, exactly: int8 q * scale (+ zero), int4 (q - p) * scale +
+    zero (p = `Linear.qzero_point`)."""
     q, scale, zero = quantized_values(module)
     rows, cols = q.shape
     group = cols // scale.shape[1]
     scale = scale.double().repeat_interleave(group, dim=1)
-    if zero is None:
-        return q.double() * scale
-    return (q.double() - 8) * scale + zero.double().repeat_interleave(group, dim=1)
+    offset = module.qzero_point if module.quantization == "int4" else 0
+    weight = (q.double() - offset) * scale
+    return weight if zero is None else weight + zero.double().repeat_interleave(group, dim=1)
 
 
 def quantize_linears(
@@ -156,11 +181,13 @@ def quantize_linears(
     skip: Iterable[str] = (),
     mode: Optional[str] = None,
     group_size: int = INT4_GROUP_SIZE,
+    blocks: Mapping[str, QuantizedBlocks] = {},
 ) -> int:
     """Quantize every `Linear` of `model` (but those under the submodules named in `skip`) by `method`
     ("int8", "int4" in groups of `group_size` inputs; None does nothing), dropping each float weight unless
-    another module shares it (a tied embedding). `mode` ("auto"/"fallback") overrides $TESSERA_CPU_KERNELS for
-    the kernel choice. Returns how many layers were quantized; the model is for inference afterwards."""
+    another module shares it (a tied embedding). A layer named in `blocks` (a GGUF file's, `keep_gguf_blocks`)
+    keeps those values where it can. `mode` ("auto"/"fallback") overrides $TESSERA_CPU_KERNELS for the kernel
+    choice. Returns how many layers were quantized; the model is for inference afterwards."""
     method = check_quantization(method)
     if method is None:
         return 0
@@ -173,7 +200,7 @@ def quantize_linears(
     users: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         users[id(param)] = users.get(id(param), 0) + 1
-    count, kept_float, kernels = 0, 0, set()
+    count, kept_float, kernels, kept_blocks, forms = 0, 0, set(), 0, {}
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or module.qweight is not None:
             continue
@@ -183,19 +210,24 @@ def quantize_linears(
         packed = module.packed_weight is not None or module.native_weight is not None
         if weight is None or not weight.is_floating_point() or weight.dim() != 2 or packed:
             continue
-        if not quantize(module, weight, mode):
+        if name in blocks and keep_gguf_blocks(module, blocks[name], mode):
+            kept_blocks += 1
+        elif quantize(module, weight, mode):
+            module.quantization = method
+        else:
             kept_float += 1
             continue
-        module.quantization = method
         kernels.add(module.quant_kernel)
+        forms[module.quantization] = forms.get(module.quantization, 0) + 1
         if users[id(weight)] == 1:
             module.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
         count += 1
     logger.info(
-        "Quantized %d linear layers to %s weights (kernel: %s)%s",
+        "Quantized %d linear layers to %s weights (kernel: %s)%s%s",
         count,
-        method,
+        " / ".join(f"{form} ({n})" for form, n in sorted(forms.items())) if len(forms) > 1 else method,
         ", ".join(sorted(kernels)) or "none",
+        f"; {kept_blocks} of them keep the GGUF file's blocks" if blocks else "",
         f"; {kept_float} kept their dtype (in_features not a multiple of {group_size})" if kept_float else "",
     )
     dtypes = {

@@ -20,10 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional, Union
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 
 from ..gguf_file import read_gguf_metadata, unreadable_gguf
+from ..layers.gguf_blocks import QuantizedBlocks, decode_blocks
 
 IGNORED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
 """llama.cpp's precomputed Llama 3 rope frequency factors: the rotary embedding comes from the config
@@ -31,10 +33,15 @@ IGNORED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
 
 
 def iter_gguf_checkpoint(
-    path: Union[str, Path], hf_config: PretrainedConfig, dtype: Optional[torch.dtype] = None
+    path: Union[str, Path],
+    hf_config: PretrainedConfig,
+    dtype: Optional[torch.dtype] = None,
+    blocks: Optional[dict[str, QuantizedBlocks]] = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF parameter name, de-quantized tensor) for every tensor of the GGUF file at `path`, whose
-    converted config is `hf_config`; tensors are cast to `dtype` if given."""
+    converted config is `hf_config`; tensors are cast to `dtype` if given. If `blocks` is given, it also
+    gets (HF name -> QuantizedBlocks) for every quantized matrix whose type `gguf_blocks` decodes, in the
+    row order of the de-quantized tensor."""
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -59,7 +66,33 @@ def iter_gguf_checkpoint(
         parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell, torch_dtype=dtype)
     except Exception as e:
         raise unreadable_gguf(path, e) from e
+    if blocks is not None:
+        blocks.update(_quantized_blocks(path, processor, placed))
     yield from parsed["tensors"].items()
+
+
+def _quantized_blocks(path: Path, processor, placed: dict[str, str]) -> Iterator[tuple[str, QuantizedBlocks]]:
+    """(HF name, blocks) of the file's decodable quantized matrices. transformers' tensor processor may reorder a
+    de-quantized tensor's rows (Llama's q / k: llama.cpp interleaves the rotary halves); it is run on the row
+    numbers to get the same order. A matrix it changes otherwise (values, shape) is left to de-quantizing."""
+    from gguf import GGUFReader
+
+    for tensor in GGUFReader(str(path)).tensors:
+        shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
+        if len(shape) != 2 or tensor.name not in placed:
+            continue
+        decoded = decode_blocks(tensor.tensor_type.name, tensor.data, shape[1])
+        if decoded is None:
+            continue
+        rows = np.arange(shape[0], dtype=np.float64)[:, None]
+        result = processor.process(weights=rows, name=tensor.name, tensor_key_mapping=placed,
+                                   parsed_parameters={"config": processor.config, "tensors": {}})  # fmt: skip
+        order = getattr(result, "weights", None)
+        if result is None or getattr(result, "name", None) != tensor.name or not isinstance(order, np.ndarray):
+            continue
+        if order.shape != rows.shape or not np.array_equal(np.sort(order[:, 0]), rows[:, 0]):
+            continue
+        yield placed[tensor.name], decoded.rows(torch.from_numpy(order[:, 0].astype(np.int64)))
 
 
 class _NameShell:

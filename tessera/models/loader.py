@@ -18,7 +18,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..distributed import get_tp_group
-from ..layers.linear import MergedLinear
+from ..layers.gguf_blocks import QuantizedBlocks, concat_rows
+from ..layers.linear import Linear, MergedLinear
 from ..layers.mrope import uses_mrope
 from ..layers.quantization import quantize_linears
 from .causal_lm import CausalLM
@@ -43,18 +44,50 @@ def load_model(model_config: ModelConfig, *, ignore_prefixes: tuple[str, ...] = 
     with torch.device("meta"):  # no memory, no random init: every tensor comes from the checkpoint
         model = model_cls(model_config.hf_config)
     check_tensor_parallel(model, architecture)
+    blocks: dict[str, QuantizedBlocks] = {}
     if model_config.gguf_file is not None:
         from .gguf import iter_gguf_checkpoint
 
-        tensors = iter_gguf_checkpoint(model_config.gguf_file, model_config.hf_config, model_config.dtype)
+        keep = blocks if model_config.keep_gguf_blocks and get_tp_group().world_size == 1 else None
+        tensors = iter_gguf_checkpoint(model_config.gguf_file, model_config.hf_config, model_config.dtype, keep)
         load_tensors(model, tensors, model_config.gguf_file, ignore_prefixes=ignore_prefixes,
                      described_by="its metadata")  # fmt: skip
     else:
         load_weights(model, model_config.model, allow_pickle=model_config.allow_pickle, ignore_prefixes=ignore_prefixes)
     place_parts(model, model_config)
     if model_config.quantization is not None:  # the language model only: vision tower and projector keep their dtype
-        quantize_linears(model, model_config.quantization, skip=getattr(model, "multimodal_parts", {}).values())
+        quantize_linears(model, model_config.quantization, skip=getattr(model, "multimodal_parts", {}).values(),
+                         blocks=blocks_by_layer(model, blocks))  # fmt: skip
     return model.eval()
+
+
+def blocks_by_layer(model: nn.Module, blocks: Mapping[str, QuantizedBlocks]) -> dict[str, QuantizedBlocks]:
+    """A GGUF file's quantized matrices (HF name -> blocks) as the blocks of each Linear of `model` that they
+    fill entirely: fused layers (q | k | v, gate | up) get their parts' rows in order, a tied lm_head the
+    embedding's."""
+    if not blocks:
+        return {}
+    targets, prefixes = _shard_targets(model), getattr(model, "hf_to_tessera_prefixes", {})
+    parts: dict[str, list[tuple[int, QuantizedBlocks]]] = {}
+    for hf_name, value in blocks.items():
+        fused, rows = targets.get(_rename(hf_name, prefixes), (_rename(hf_name, prefixes), slice(0, None)))
+        parts.setdefault(fused, []).append((rows.start or 0, value))
+    for group in _tied_names(model).values():
+        present = next((parts[name] for name in group if name in parts), None)
+        if present is not None:
+            parts.update({name: present for name in group})
+    by_layer = {}
+    for name, module in model.named_modules():
+        found = sorted(parts.get(f"{name}.weight", []), key=lambda part: part[0])
+        if not isinstance(module, Linear) or not found:
+            continue
+        starts = [start for start, _ in found]
+        ends = [start + part.q.shape[0] for start, part in found]
+        if starts[0] == 0 and starts[1:] == ends[:-1] and ends[-1] == module.out_features:
+            joined = concat_rows([part for _, part in found])
+            if joined is not None and joined.q.shape[1] == module.in_features:
+                by_layer[name] = joined
+    return by_layer
 
 
 def check_tensor_parallel(model: nn.Module, architecture: str) -> None:

@@ -72,7 +72,8 @@ class NativeDecodeLayer:
         for name, (kind, weight, scales, isa) in weights.items():
             module = linears[name]
             bias = None if module.bias is None else module.bias.detach()
-            native.set_linear(name, int(kind), weight.detach(), scales, bias, module.out_features, isa)
+            native.set_linear(name, int(kind), weight.detach(), scales, bias, module.out_features, isa,
+                              module.qzero_point)  # fmt: skip
         return cls(layer, native, layer.input_layernorm.weight.dtype)
 
     def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

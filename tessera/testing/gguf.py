@@ -18,7 +18,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 """Ids 0, 1, 2, as in SmolLM2: unk / end of text, BOS and start of a turn, EOS and end of a turn."""
 MERGES = ("Ġ t", "h e", "Ġt he", "Ġ a", "i s", "Ġ is", "Ġ P", "a r")
 TINY = dict(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2)
-K_QUANTS = ("Q4_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 """K-quants the gguf package reads but cannot write: `random_k_quant` writes their blocks."""
 
 
@@ -26,13 +26,14 @@ def random_k_quant(rng: np.random.Generator, kind, rows: int, cols: int) -> np.n
     """Raw bytes of a [rows, cols] tensor of random K-quant blocks (256 values each, cols a multiple of
     256): random quant and sub-block-scale bytes, which are all valid, and small finite float16 super-
     block scales, so the weights are of the order of 0.1 like the other tensors'. Q4_K's block is d,
-    dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit quants; Q6_K's is 128 + 64
+    dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit quants (Q5_K: 32 bytes of fifth
+    bits before them); Q6_K's is 128 + 64
     bytes of quants, 16 int8 scales, d (float16)."""
     import gguf
 
     _, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     blocks = rng.integers(0, 256, size=(rows, cols // 256, block_bytes), dtype=np.uint8)
-    if kind == gguf.GGMLQuantizationType.Q4_K:  # w = d * scale * q - dmin * min, q < 16, scale and min < 64
+    if kind in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):  # w = d * scale * q - dmin * min
         scales = np.abs(rng.standard_normal((rows, cols // 256, 2)) * 0.2 / (15 * 63)).astype(np.float16)
         blocks[..., :4] = scales.view(np.uint8)
     else:  # Q6_K: w = d * scale * (q - 32), |scale| < 128
@@ -55,6 +56,7 @@ def build_tiny_gguf(
     tie_word_embeddings: bool = True,
     extra_tensors: tuple[str, ...] = (),
     weight_type: str = "Q8_0",
+    weight_types: Optional[dict[str, str]] = None,
     hidden_size: int = TINY["hidden"],
     intermediate_size: int = TINY["intermediate"],
     seed: int = 0,
@@ -63,7 +65,8 @@ def build_tiny_gguf(
     (seeded) in llama.cpp's layout: the embedding and the projections of `weight_type` (a
     ``GGMLQuantizationType`` name: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, or Q4_K / Q6_K for
     tensors whose rows are a multiple of 256 long, the others Q8_0, as llama.cpp falls back), the
-    norms float32; without `tie_word_embeddings` an ``output.weight`` is written too.
+    norms float32; without `tie_word_embeddings` an ``output.weight`` is written too. `weight_types` gives some
+    tensors another type, by the name's part after the layer (``{"attn_v": "Q6_K"}``, as llama.cpp's mixes do).
     `extra_tensors`: names of further float32 tensors (of shape [hidden]) to write."""
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -107,9 +110,10 @@ def build_tiny_gguf(
     rng = np.random.default_rng(seed)
 
     def quantized(name: str, rows: int, cols: int) -> None:
-        kind = gguf.GGMLQuantizationType[weight_type]
+        type_name = (weight_types or {}).get(name.split(".")[-2], weight_type)
+        kind = gguf.GGMLQuantizationType[type_name]
         block, _ = gguf.GGML_QUANT_SIZES[kind]
-        k_quant = weight_type in K_QUANTS
+        k_quant = type_name in K_QUANTS
         if k_quant and cols % block == 0:
             writer.add_tensor(name, random_k_quant(rng, kind, rows, cols), raw_dtype=kind)
             return

@@ -4,6 +4,8 @@ path this CPU runs (`make test` runs this file again with ATEN_CPU_CAPABILITY=av
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -161,9 +163,12 @@ def test_gemv_int8_and_int4_are_x_times_the_dequantized_weight(shape, x_dtype, s
     q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     s, z = (t.double().repeat_interleave(g, dim=1) for t in (scale, zero))
-    cases = {
+    int4_as_gguf = functools.partial(torch.ops.tessera.gemv_int4, zero_point=0)
+    cases = {  # the forms of Tessera's own quantizers, and those that hold a GGUF file's blocks
         "int8": (q8.double() * s, nk.pack_int8(q8, scale), torch.ops.tessera.gemv_int8),
+        "int8 + zero": (q8.double() * s + z, nk.pack_int8(q8, scale, zero), torch.ops.tessera.gemv_int8),
         "int4": ((q4.double() - 8) * s + z, nk.pack_int4(q4, scale, zero), torch.ops.tessera.gemv_int4),
+        "int4, zero point 0": (q4.double() * s + z, nk.pack_int4(q4, scale, zero), int4_as_gguf),
     }
     for name, (w, (packed, scales), op) in cases.items():
         exact = x.double() @ w.T + bias.double()

@@ -9,8 +9,10 @@ import torch
 from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.layers.attention import AttentionMetadata, attention_metadata
-from tessera.layers.cpu_kernels import DEQUANT, ENV
+from tessera.layers import native_kernels as nk
+from tessera.layers.cpu_kernels import DEQUANT, ENV, NATIVE
 from tessera.layers.kv_cache import allocate_kv_cache
+from tessera.layers.quantization import dequantized_weight
 from tessera.models.loader import load_model
 from tessera.testing import build_tiny_gguf
 from tessera.testing.generation import greedy_logprobs, hf_recomputed_logprobs
@@ -101,23 +103,45 @@ def test_llama_cpp_rope_factors_are_recomputed_not_loaded(tmp_path):
     load_model(ModelConfig(str(path), device="cpu"))
 
 
-def test_a_q4_1_file_keeps_its_weights_as_int4(tmp_path, monkeypatch):
-    """Q4_1 blocks are 32 weights on a grid of 16 steps from the block's minimum to its maximum (llama.cpp's
-    quantizer puts both extremes on the grid's ends); quantization="auto" maps them to int4 groups of 32 whose
-    grid is that one, so the int4 model computes HF's de-quantized weights up to float32 rounding. (Q4_0's
-    symmetric grid need not reach the block's maximum: its weights are re-quantized, not kept.)"""
-    weight_type = "Q4_1"
-    path = build_tiny_gguf(tmp_path / "m.gguf", weight_type=weight_type)
+KEPT_AS = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4", "Q5_0": "int8", "Q5_1": "int8", "Q4_K": "int4",
+           "Q6_K": "int8"}  # fmt: skip
+
+
+@pytest.mark.parametrize("weight_type", list(KEPT_AS))
+def test_quantization_auto_keeps_the_files_blocks(tmp_path, monkeypatch, weight_type):
+    """quantization="auto" runs a GGUF file's blocks as they are (`layers.gguf_blocks`): every layer's weights are
+    exactly those HF de-quantizes from the file (Llama's q / k rows in HF's order), and the logits those of HF but
+    for x's int16 rounding in the native kernels (at most 2^-16 of its group's largest |x| an element, ~15
+    linears deep: 1e-3 of the logits' range bounds it)."""
+    path = build_tiny_gguf(tmp_path / "m.gguf", weight_type=weight_type, **WEIGHT_TYPES.get(weight_type, {}))
+    monkeypatch.delenv(ENV, raising=False)
     model = load_model(ModelConfig(str(path), device="cpu", quantization="auto"))
-    layers = [m for m in model.modules() if getattr(m, "quantization", None) is not None]
-    assert len(layers) == 2 * 4 + 1 and {m.quantization for m in layers} == {"int4"}  # qkv, o, gate_up, down; lm_head
-    monkeypatch.setenv(ENV, "fallback")  # the same weights, de-quantized for F.linear: float32 products of x
-    exact = load_model(ModelConfig(str(path), device="cpu", quantization="auto"))
-    assert {m.quant_kernel for m in exact.modules() if getattr(m, "quantization", None)} == {DEQUANT}
-    ours, expected = prefill_logits(exact, path)
-    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
-    # The native kernels quantize x to int16 per group of 32 (an error of at most 2^-16 of the group's largest |x|
-    # an element): ~15 linears, each moved by at most 1.5e-5 of its sum of |terms|; 1e-3 of the logits' range
-    # bounds it (seen: 3e-4).
-    native, _ = prefill_logits(model, path)
-    assert (native - expected).abs().max() <= 1e-3 * (expected.max() - expected.min())
+    dense = load_model(ModelConfig(str(path), device="cpu"))  # HF's de-quantized weights (the test above)
+    layers = {n: m for n, m in model.named_modules() if getattr(m, "quantization", None) is not None}
+    assert len(layers) == 2 * 4 + 1  # qkv, o, gate_up, down; lm_head
+    for name, layer in layers.items():
+        if nk.available():
+            assert (layer.quantization, layer.quant_kernel) == (KEPT_AS[weight_type], NATIVE), name
+            assert torch.equal(dequantized_weight(layer), dense.get_submodule(name).weight.double()), name
+    ours, expected = prefill_logits(model, path)
+    assert (ours - expected).abs().max() <= 1e-3 * (expected.max() - expected.min())
+    monkeypatch.setenv(ENV, "fallback")  # no native kernels: re-quantized from the de-quantized weights
+    fallback = load_model(ModelConfig(str(path), device="cpu", quantization="auto"))
+    assert {m.quant_kernel for m in fallback.modules() if getattr(m, "quantization", None)} == {DEQUANT}
+
+
+def test_a_layer_fusing_tensors_of_two_types_keeps_both(tmp_path, monkeypatch):
+    """llama.cpp's mixes (Q4_K_M) give attn_v and ffn_down more bits: q | k | v of Q4_K and Q6_K become one int8
+    layer with groups of 16 and float32 scales, every weight still the file's."""
+    if not nk.available():
+        pytest.skip("the native kernels are not built here")
+    monkeypatch.delenv(ENV, raising=False)
+    path = build_tiny_gguf(tmp_path / "m.gguf", weight_type="Q4_K", weight_types={"attn_v": "Q6_K"},
+                           hidden_size=256, intermediate_size=512)  # fmt: skip
+    model = load_model(ModelConfig(str(path), device="cpu", quantization="auto"))
+    dense = load_model(ModelConfig(str(path), device="cpu"))
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quantization == "int8" and qkv.qscale.dtype == torch.float32 and qkv.qscale.shape[1] == 256 // 16
+    assert model.model.layers[0].mlp.gate_up_proj.quantization == "int4"
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.gate_up_proj"):
+        assert torch.equal(dequantized_weight(model.get_submodule(name)), dense.get_submodule(name).weight.double())

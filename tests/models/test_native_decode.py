@@ -83,3 +83,23 @@ def test_fallback_stays_eager(folders, monkeypatch):
     llm = LLM(str(folders["llava"]), device="cpu", kv_cache_memory="8MiB")
     llm.generate(PROMPTS, use_tqdm=False)
     assert all(layer._native is False for layer in decoder_layers(llm))
+
+
+@pytest.mark.parametrize("weight_types", [{}, {"attn_v": "Q6_K"}], ids=["Q4_K", "Q4_K+Q6_K"])
+def test_a_gguf_files_blocks_run_natively_with_the_eager_numbers(tmp_path, weight_types):
+    """quantization="auto" keeps a GGUF file's blocks: int4 with zero point 0 (Q4_K), int8 with zeros (q | k | v
+    of Q4_K and Q6_K); the native layer calls those kernels as the eager linears do."""
+    pytest.importorskip("gguf", reason="the gguf package writes the test file")
+    from tessera.testing import build_tiny_gguf
+
+    path = build_tiny_gguf(tmp_path / "m.gguf", weight_type="Q4_K", weight_types=weight_types, hidden_size=256,
+                           intermediate_size=512)  # fmt: skip
+    llm = LLM(str(path), device="cpu", dtype="bfloat16", quantization="auto", kv_cache_memory="8MiB",
+              enable_prefix_caching=False)  # fmt: skip
+    qkv = decoder_layers(llm)[0].self_attn.qkv_proj
+    assert (qkv.quantization, qkv.qzero_point) == (("int8", 8) if weight_types else ("int4", 0))
+    vocab = llm.engine.model_config.hf_config.vocab_size
+    native, eager = native_and_eager(llm, PROMPTS, vocab)
+    for (ids_a, a), (ids_b, b) in zip(native, eager):
+        assert ids_a == ids_b
+        assert float((a - b).abs().max()) <= 2**-8 * float(b.abs().max())

@@ -29,7 +29,7 @@ using namespace tessera_kernels;
 enum Kind : int64_t { kDense = 0, kNative = 1, kBf16Dot = 2, kInt8 = 3, kInt4 = 4, kOneDnn = 5 };
 
 struct LinearWeight {
-  int64_t kind = kDense, n = 0, isa = 0;
+  int64_t kind = kDense, n = 0, isa = 0, zero_point = 8;  // zero_point: int4's (gemv_quant.cpp)
   at::Tensor w, scales;
   c10::optional<at::Tensor> bias;
 
@@ -38,7 +38,7 @@ struct LinearWeight {
       case kNative: return gemv(x, w, n, bias, isa);
       case kBf16Dot: return gemv_bf16dot(x, w, n, bias);
       case kInt8: return gemv_int8(x, w, scales, n, bias, isa);
-      case kInt4: return gemv_int4(x, w, scales, n, bias, isa);
+      case kInt4: return gemv_int4(x, w, scales, n, bias, isa, zero_point);
       case kOneDnn: return onednn(x);
       default: return at::linear(x, w, bias);
     }
@@ -217,10 +217,10 @@ struct DecodeLayer : torch::CustomClassHolder {
   }
 
   void set_linear(const std::string& name, int64_t kind, at::Tensor w, c10::optional<at::Tensor> scales,
-                  c10::optional<at::Tensor> bias, int64_t n, int64_t isa) {
+                  c10::optional<at::Tensor> bias, int64_t n, int64_t isa, int64_t zero_point) {
     TORCH_CHECK(name == "qkv" || name == "o" || name == "gate_up" || name == "down", "DecodeLayer: no linear ", name);
     LinearWeight& l = name == "qkv" ? qkv : name == "o" ? o : name == "gate_up" ? gate_up : down;
-    l = LinearWeight{kind, n, isa, std::move(w), scales.value_or(at::Tensor()), std::move(bias)};
+    l = LinearWeight{kind, n, isa, zero_point, std::move(w), scales.value_or(at::Tensor()), std::move(bias)};
   }
 
   // x [B, hidden], one decode token of B sequences; cos / signed sin [B, 1, R]; the caches [blocks, block_size,

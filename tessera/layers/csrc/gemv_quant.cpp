@@ -2,17 +2,21 @@
 // the weight stored in 8 or 4 bits with a scale (int4: and a zero) per group of G consecutive k of each output,
 // re-packed once at load in blocks of 16 outputs side by side (as gemv.cpp's float weights), k in pairs:
 //   int8: w = q * s,            q int8 [N / 16][K / 2][16][2]             s [N / 16][K / G][16]
-//   int4: w = (q - 8) * s + z,  q 0..15 [N / 16][K / 4][16][2] uint8,    s, z [N / 16][K / G][2][16]
+//         or w = q * s + z,                                               s, z [N / 16][K / G][2][16]
+//   int4: w = (q - p) * s + z,  q 0..15 [N / 16][K / 4][16][2] uint8,    s, z [N / 16][K / G][2][16]
+//         (p, the zero point, 8 for Tessera's own int4 (torch's formula), 0 for GGUF's q * d + m)
 //         (of k = 4t..4t+3, byte (i, 0) holds output i's q at 4t in its low nibble and 4t + 2 in its high one,
 //          byte (i, 1) those at 4t + 1 and 4t + 3)
-// s and z are float32, bfloat16 or float16 (a GGUF file's float16 scales stay as they are).
+// s and z are float32, bfloat16 or float16 (a GGUF file's float16 scales stay as they are; its K-quants' scales,
+// 6-bit integers times a float16, are exact in float32). The int8 form with z holds every GGUF block type (Q4_K,
+// Q5_K, Q6_K...) as its integers, so a layer fusing tensors of different types keeps all their bytes' values.
 //
 // Why integers: de-quantizing each weight to float32 costs 3-4 vector instructions per 16 weights, which on two
 // cores is slower than reading them (measured: int8 decode reached 1.4x bfloat16, not 2x). Here x is quantized
 // to int16 per row and group (xq = round(x / sx), sx = max |x| of the group / 32767: an error of at most sx / 2
 // an element, below a bfloat16 x's own rounding of its largest values), and one instruction (AVX512-VNNI
 // vpdpwssd; AVX2 vpmaddwd + vpaddd) adds 32 (16) exact products of int16 pairs into int32 sums. Each group's
-// sum becomes float32 once: y += s * sx * sum(q * xq) (int4: + (z - 8 s) * sx * sum(xq)). int32 holds a group's
+// sum becomes float32 once: y += s * sx * sum(q * xq) (with z: + (z - p s) * sx * sum(xq)). int32 holds a group's
 // sum for G <= 512 (int8: 127 * 32767 * 512 < 2^31); per-channel int8 is packed as groups of one scale repeated.
 //
 // Tiles of up to 4 rows x 4 blocks (AVX-512) or 3 rows x 1 block (AVX2): each weight vector, loaded once, is
@@ -56,10 +60,11 @@ void quantize_x(const X* x, int64_t M, int64_t K, int64_t G, int16_t* xq, float*
   });
 }
 
-struct Operand {  // x quantized, and the shape
+struct Operand {  // x quantized, the shape, and the weight's zero point
   const int16_t* xq;
   const float *sx, *xsum;
   int64_t K, G;
+  float zero_point;
 };
 
 inline int32_t pair_at(const int16_t* p) {
@@ -82,11 +87,11 @@ AVX512VNNI inline void int4_pairs_512(const uint8_t* q, __m512i& lo, __m512i& hi
   hi = _mm512_srli_epi16(v, 4);
 }
 
-template <bool kInt4, typename S, int MR, int NB>
+template <bool kInt4, bool kZero, typename S, int MR, int NB>
 AVX512VNNI void tile_512(Operand a, const void* wp, const S* sc, float* y, int64_t ldy, int64_t nvalid) {
   constexpr int U = MR * NB >= 4 ? 1 : (MR * NB >= 2 ? 2 : 4);
   const int64_t groups = a.K / a.G;
-  const int64_t wstride = (kInt4 ? a.K / 2 : a.K) * kBlock, sstride = groups * (kInt4 ? 2 : 1) * kBlock;
+  const int64_t wstride = (kInt4 ? a.K / 2 : a.K) * kBlock, sstride = groups * (kZero ? 2 : 1) * kBlock;
   __m512 acc[MR][NB];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
@@ -135,12 +140,13 @@ AVX512VNNI void tile_512(Operand a, const void* wp, const S* sc, float* y, int64
         }
       }
     }
-    // The group's sums into float32: s * sx * sum (int4: + (z - 8 s) * sx * sum(xq)).
+    // The group's sums into float32: s * sx * sum (with z: + (z - p s) * sx * sum(xq)).
 #pragma GCC unroll 8
     for (int j = 0; j < NB; ++j) {
-      const S* p = sc + j * sstride + g * (kInt4 ? 2 : 1) * kBlock;
+      const S* p = sc + j * sstride + g * (kZero ? 2 : 1) * kBlock;
       const __m512 s = load16_512<S>(p, 0xFFFF);
-      const __m512 z = kInt4 ? _mm512_fnmadd_ps(_mm512_set1_ps(8), s, load16_512<S>(p + kBlock, 0xFFFF)) : s;
+      const __m512 z =
+          kZero ? _mm512_fnmadd_ps(_mm512_set1_ps(a.zero_point), s, load16_512<S>(p + kBlock, 0xFFFF)) : s;
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const int64_t i = m * groups + g;
@@ -148,7 +154,7 @@ AVX512VNNI void tile_512(Operand a, const void* wp, const S* sc, float* y, int64
 #pragma GCC unroll 4
         for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, isum[m][j][u]);
         acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(a.sx[i])), acc[m][j]);
-        if constexpr (kInt4) acc[m][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(a.xsum[i]), acc[m][j]);
+        if constexpr (kZero) acc[m][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(a.xsum[i]), acc[m][j]);
       }
     }
   }
@@ -157,7 +163,7 @@ AVX512VNNI void tile_512(Operand a, const void* wp, const S* sc, float* y, int64
 
 // ---- AVX2: MR rows x 1 block (two halves of 8 outputs) ----------------------------------------------------------
 
-template <bool kInt4, typename S, int MR>
+template <bool kInt4, bool kZero, typename S, int MR>
 AVX2 void tile_256(Operand a, const void* wp, const S* sc, float* y, int64_t ldy, int64_t nvalid) {
   const int64_t groups = a.K / a.G;
   __m256 lo[MR], hi[MR];
@@ -198,12 +204,12 @@ AVX2 void tile_256(Operand a, const void* wp, const S* sc, float* y, int64_t ldy
         }
       }
     }
-    const S* p = sc + g * (kInt4 ? 2 : 1) * kBlock;
+    const S* p = sc + g * (kZero ? 2 : 1) * kBlock;
     const __m256 sl = load8_256<S>(p), sh = load8_256<S>(p + 8);
     __m256 zl = sl, zh = sh;
-    if constexpr (kInt4) {
-      zl = _mm256_fnmadd_ps(_mm256_set1_ps(8), sl, load8_256<S>(p + kBlock));
-      zh = _mm256_fnmadd_ps(_mm256_set1_ps(8), sh, load8_256<S>(p + kBlock + 8));
+    if constexpr (kZero) {
+      zl = _mm256_fnmadd_ps(_mm256_set1_ps(a.zero_point), sl, load8_256<S>(p + kBlock));
+      zh = _mm256_fnmadd_ps(_mm256_set1_ps(a.zero_point), sh, load8_256<S>(p + kBlock + 8));
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
@@ -211,7 +217,7 @@ AVX2 void tile_256(Operand a, const void* wp, const S* sc, float* y, int64_t ldy
       const __m256 sx = _mm256_set1_ps(a.sx[i]);
       lo[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ilo[m]), _mm256_mul_ps(sl, sx), lo[m]);
       hi[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ihi[m]), _mm256_mul_ps(sh, sx), hi[m]);
-      if constexpr (kInt4) {
+      if constexpr (kZero) {
         const __m256 xs = _mm256_set1_ps(a.xsum[i]);
         lo[m] = _mm256_fmadd_ps(zl, xs, lo[m]);
         hi[m] = _mm256_fmadd_ps(zh, xs, hi[m]);
@@ -226,44 +232,62 @@ AVX2 void tile_256(Operand a, const void* wp, const S* sc, float* y, int64_t ldy
 template <typename S>
 using QuantTile = void (*)(Operand, const void*, const S*, float*, int64_t, int64_t);
 
-template <bool kInt4, typename S, int MR>
+template <bool kInt4, bool kZero, typename S, int MR>
 QuantTile<S> tile_of(int64_t isa, int nb) {
-  if (isa == kAvx2) return tile_256<kInt4, S, (MR < 3 ? MR : 3)>;
+  if (isa == kAvx2) return tile_256<kInt4, kZero, S, (MR < 3 ? MR : 3)>;
   switch (nb) {
-    case 1: return tile_512<kInt4, S, MR, 1>;
-    case 2: return tile_512<kInt4, S, MR, 2>;
-    case 3: return tile_512<kInt4, S, MR, 3>;
-    default: return tile_512<kInt4, S, MR, 4>;
+    case 1: return tile_512<kInt4, kZero, S, MR, 1>;
+    case 2: return tile_512<kInt4, kZero, S, MR, 2>;
+    case 3: return tile_512<kInt4, kZero, S, MR, 3>;
+    default: return tile_512<kInt4, kZero, S, MR, 4>;
   }
 }
 
-template <bool kInt4, typename S>
+template <bool kInt4, bool kZero, typename S>
 QuantTile<S> tile_fn(int64_t isa, int mr, int nb) {
   switch (mr) {
-    case 1: return tile_of<kInt4, S, 1>(isa, nb);
-    case 2: return tile_of<kInt4, S, 2>(isa, nb);
-    case 3: return tile_of<kInt4, S, 3>(isa, nb);
-    default: return tile_of<kInt4, S, 4>(isa, nb);
+    case 1: return tile_of<kInt4, kZero, S, 1>(isa, nb);
+    case 2: return tile_of<kInt4, kZero, S, 2>(isa, nb);
+    case 3: return tile_of<kInt4, kZero, S, 3>(isa, nb);
+    default: return tile_of<kInt4, kZero, S, 4>(isa, nb);
   }
 }
 
-template <bool kInt4, typename S>
+template <bool kInt4, bool kZero, typename S>
 void quant_matmul(Operand a, int64_t M, const void* w, const S* sc, int64_t N, float* y, int64_t isa) {
   const int64_t groups = a.K / a.G;
-  const int64_t wstride = (kInt4 ? a.K / 2 : a.K) * kBlock, sstride = groups * (kInt4 ? 2 : 1) * kBlock;
+  const int64_t wstride = (kInt4 ? a.K / 2 : a.K) * kBlock, sstride = groups * (kZero ? 2 : 1) * kBlock;
   // AVX-512: 4 rows x 2 blocks, or 2 x 4 for one or two rows (int32 and float32 sums: 2 x MR x NB registers).
   const int64_t rows = isa == kAvx2 ? 3 : (M <= 2 ? 2 : 4), panel = isa == kAvx2 ? 1 : (M <= 2 ? 1 : 2);
   for_each_tile(M, N, rows, panel, [&](int64_t m0, int mr, int64_t b0, int nb) {
     const int64_t n0 = b0 * kBlock;
-    Operand rows_of = {a.xq + m0 * a.K, a.sx + m0 * groups, a.xsum + m0 * groups, a.K, a.G};
-    tile_fn<kInt4, S>(isa, mr, nb)(rows_of, static_cast<const int8_t*>(w) + b0 * wstride, sc + b0 * sstride,
+    Operand rows_of = {a.xq + m0 * a.K, a.sx + m0 * groups, a.xsum + m0 * groups, a.K, a.G, a.zero_point};
+    tile_fn<kInt4, kZero, S>(isa, mr, nb)(rows_of, static_cast<const int8_t*>(w) + b0 * wstride, sc + b0 * sstride,
                                    y + m0 * N + n0, N, std::min<int64_t>(nb * kBlock, N - n0));
   });
 }
 
+template <bool kInt4, bool kZero, typename S>
+void quant_matmul_of(Operand a, int64_t M, const at::Tensor& w, const at::Tensor& sc, int64_t N, float* y,
+                     int64_t isa) {
+  quant_matmul<kInt4, kZero>(a, M, w.data_ptr(), sc.data_ptr<S>(), N, y, isa);
+}
+
+template <bool kInt4, bool kZero>
+void quant_matmul_scaled(Operand a, int64_t M, const at::Tensor& w, const at::Tensor& sc, int64_t N, float* y,
+                         int64_t isa) {
+  switch (sc.scalar_type()) {
+    case at::kFloat: return quant_matmul_of<kInt4, kZero, float>(a, M, w, sc, N, y, isa);
+    case at::kBFloat16: return quant_matmul_of<kInt4, kZero, c10::BFloat16>(a, M, w, sc, N, y, isa);
+    case at::kHalf: return quant_matmul_of<kInt4, kZero, c10::Half>(a, M, w, sc, N, y, isa);
+    default: TORCH_CHECK(false, "tessera: scales of ", sc.scalar_type(), " are not float32, bfloat16 or float16");
+  }
+}
+
+// int8 scales of rank 3 are s only; rank 4 are (s, z). int4's are always (s, z).
 template <bool kInt4>
 at::Tensor run_quant(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
-                     const c10::optional<at::Tensor>& bias, int64_t isa) {
+                     const c10::optional<at::Tensor>& bias, int64_t isa, int64_t zero_point) {
   const int64_t M = x.size(0), K = x.size(1), G = K / scales.size(1);
   const auto xc = x.contiguous();
   // One scratch buffer: xq [M, K] int16, then sx and sx * sum(xq) [M, K / G] float32 each.
@@ -277,23 +301,14 @@ at::Tensor run_quant(const at::Tensor& x, const at::Tensor& packed, const at::Te
     case at::kHalf: quantize_x(xc.data_ptr<c10::Half>(), M, K, G, xq, sx, xsum); break;
     default: quantize_x(xc.to(at::kFloat).data_ptr<float>(), M, K, G, xq, sx, xsum);
   }
-  const Operand a = {xq, sx, xsum, K, G};
+  const Operand a = {xq, sx, xsum, K, G, static_cast<float>(zero_point)};
   const auto w = packed.contiguous();
   const auto sc = scales.contiguous();
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  switch (sc.scalar_type()) {
-    case at::kFloat:
-      quant_matmul<kInt4>(a, M, w.data_ptr(), sc.data_ptr<float>(), N, y.data_ptr<float>(), isa);
-      break;
-    case at::kBFloat16:
-      quant_matmul<kInt4>(a, M, w.data_ptr(), sc.data_ptr<c10::BFloat16>(), N, y.data_ptr<float>(), isa);
-      break;
-    case at::kHalf:
-      quant_matmul<kInt4>(a, M, w.data_ptr(), sc.data_ptr<c10::Half>(), N, y.data_ptr<float>(), isa);
-      break;
-    default:
-      TORCH_CHECK(false, "tessera: scales of ", sc.scalar_type(), " are not float32, bfloat16 or float16");
-  }
+  if (kInt4 || sc.dim() == 4)
+    quant_matmul_scaled<kInt4, true>(a, M, w, sc, N, y.data_ptr<float>(), isa);
+  else
+    quant_matmul_scaled<kInt4, false>(a, M, w, sc, N, y.data_ptr<float>(), isa);
   return finish(y, bias, x.scalar_type());
 }
 
@@ -303,19 +318,22 @@ namespace tessera_kernels {
 
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
                      const c10::optional<at::Tensor>& bias, int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && scales.dim() == 3 && packed.scalar_type() == at::kChar &&
+  const bool zeros = scales.dim() == 4;  // (s, z) pairs
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && (scales.dim() == 3 || zeros) && packed.scalar_type() == at::kChar &&
                   packed.size(1) * 2 == x.size(1) && packed.size(2) == kBlock && packed.size(3) == 2 &&
-                  packed.size(0) * kBlock >= N && scales.size(0) == packed.size(0) && scales.size(2) == kBlock &&
-                  scales.size(1) > 0 && x.size(1) % scales.size(1) == 0 && (x.size(1) / scales.size(1)) % 2 == 0 &&
+                  packed.size(0) * kBlock >= N && scales.size(0) == packed.size(0) &&
+                  scales.size(scales.dim() - 1) == kBlock && (!zeros || scales.size(2) == 2) && scales.size(1) > 0 &&
+                  x.size(1) % scales.size(1) == 0 && (x.size(1) / scales.size(1)) % 2 == 0 &&
                   x.size(1) / scales.size(1) <= 512,
-              "tessera::gemv_int8: x [M, K], int8 [N / 16, K / 2, 16, 2] and scales [N / 16, K / G, 16] (G even, "
-              "<= 512) expected, got ", x.sizes(), ", ", packed.sizes(), " and ", scales.sizes());
+              "tessera::gemv_int8: x [M, K], int8 [N / 16, K / 2, 16, 2] and scales [N / 16, K / G, 16] or [N / 16, "
+              "K / G, 2, 16] (G even, <= 512) expected, got ", x.sizes(), ", ", packed.sizes(), " and ",
+              scales.sizes());
   TORCH_CHECK(isa == kAvx2 || isa == kAvx512, "tessera::gemv_int8: isa must be 1 (AVX2) or 2 (AVX-512 + VNNI)");
-  return run_quant<false>(x, packed, scales, N, bias, isa);
+  return run_quant<false>(x, packed, scales, N, bias, isa, 0);
 }
 
 at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
-                     const c10::optional<at::Tensor>& bias, int64_t isa) {
+                     const c10::optional<at::Tensor>& bias, int64_t isa, int64_t zero_point) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && scales.dim() == 4 && packed.scalar_type() == at::kByte &&
                   packed.size(1) * 4 == x.size(1) && packed.size(2) == kBlock && packed.size(3) == 2 &&
                   packed.size(0) * kBlock >= N && scales.size(0) == packed.size(0) && scales.size(2) == 2 &&
@@ -324,14 +342,15 @@ at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& packed, const at::Te
               "tessera::gemv_int4: x [M, K], uint8 [N / 16, K / 4, 16, 2] and scales [N / 16, K / G, 2, 16] (G a "
               "multiple of 4, <= 4096) expected, got ", x.sizes(), ", ", packed.sizes(), " and ", scales.sizes());
   TORCH_CHECK(isa == kAvx2 || isa == kAvx512, "tessera::gemv_int4: isa must be 1 (AVX2) or 2 (AVX-512 + VNNI)");
-  return run_quant<true>(x, packed, scales, N, bias, isa);
+  TORCH_CHECK(zero_point >= 0 && zero_point <= 15, "tessera::gemv_int4: the zero point must be in 0..15");
+  return run_quant<true>(x, packed, scales, N, bias, isa, zero_point);
 }
 
 }  // namespace tessera_kernels
 
 TORCH_LIBRARY_FRAGMENT(tessera, m) {
   m.def("gemv_int8(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, int isa) -> Tensor");
-  m.def("gemv_int4(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, int isa) -> Tensor");
+  m.def("gemv_int4(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, int isa, int zero_point=8) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tessera, CPU, m) {

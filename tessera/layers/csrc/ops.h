@@ -13,6 +13,6 @@ at::Tensor gemv_bf16dot(const at::Tensor& x, const at::Tensor& packed, int64_t N
 at::Tensor gemv_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
                      const c10::optional<at::Tensor>& bias, int64_t isa);
 at::Tensor gemv_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
-                     const c10::optional<at::Tensor>& bias, int64_t isa);
+                     const c10::optional<at::Tensor>& bias, int64_t isa, int64_t zero_point);
 
 }  // namespace tessera_kernels
