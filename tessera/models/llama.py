@@ -18,7 +18,7 @@ from tessera.layers.attention import PagedAttention
 from tessera.layers.layernorm import RMSNorm
 from tessera.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from tessera.models.causal_lm import CausalLM, DecoderLayer, DecoderModel, MakeLayer, head_dim_of
-from tessera.models.native_decode import NativeDecodeLayer, is_decode_step
+from tessera.models.native_decode import NativeDecodeLayer, native_layer_for_step
 
 
 class LlamaAttention(nn.Module):
@@ -109,13 +109,14 @@ class LlamaDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._native: Optional[NativeDecodeLayer] | bool = None  # built on the first decode step; False: none
 
+    NATIVE_NORMS = {"input": "input_layernorm", "post": "post_attention_layernorm"}
+    """The native decode layer's norm roles (native_decode.py) -> this layer's norms."""
+
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """Decode steps run the native decode layer where it can (native_decode.py), else the eager modules."""
-        if self._native is not False and is_decode_step(hidden_states):
-            if self._native is None:
-                self._native = NativeDecodeLayer.build(self, self.mlp.activation) or False
-            if self._native and self._native.dtype == hidden_states.dtype:
-                return self._native(positions, hidden_states)
+        native = native_layer_for_step(self, hidden_states)
+        if native is not None:
+            return native(positions, hidden_states)
         return super().forward(positions, hidden_states)
 
 

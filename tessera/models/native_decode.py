@@ -7,10 +7,11 @@ with the eager modules' roundings (16-bit values rounded where they round), so o
 differs (tests/models/test_native_decode.py): one call per layer instead of ~40 torch ops.
 
 Which layers: `LlamaDecoderLayer` (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, and
-the VLMs built on them), on CPU, without tensor parallelism, with silu or tanh-gelu MLPs and no soft-capping,
-whose linears each run a kernel the native layer can call (`Linear.native_decode_weight`). Which steps: pure
-decode steps (one new token per sequence, any number of sequences); prefill and mixed steps stay eager.
-`TESSERA_CPU_KERNELS=fallback` turns it off with the other native kernels.
+the VLMs built on them) and `Gemma3DecoderLayer` (its (1 + w) norms, also after the attention and the MLP), on
+CPU, without tensor parallelism, with silu or tanh-gelu MLPs and no soft-capping, whose linears each run a kernel
+the native layer can call (`Linear.native_decode_weight`). A layer names its norms' roles in `NATIVE_NORMS`.
+Which steps: pure decode steps (one new token per sequence, any number of sequences); prefill and mixed steps
+stay eager. `TESSERA_CPU_KERNELS=fallback` turns it off with the other native kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class NativeDecodeLayer:
         where it cannot run it."""
         attn = layer.self_attn
         linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
-        norms = {"input": layer.input_layernorm, "post": layer.post_attention_layernorm}
+        norms = {role: getattr(layer, name) for role, name in layer.NATIVE_NORMS.items()}
         if attn.q_norm is not None:
             norms.update(q=attn.q_norm, k=attn.k_norm)
         if (
@@ -55,7 +56,7 @@ class NativeDecodeLayer:
             or not native_kernels.available()
             or activation not in ACTIVATIONS
             or attn.attn.logits_soft_cap is not None
-            or not all(type(n) is RMSNorm for n in norms.values())
+            or any(_unit_offset(n) is None for n in norms.values())
             or len({n.weight.dtype for n in norms.values()}) != 1
             or any(getattr(m, "tp", None) is not None and m.tp.world_size > 1 for m in linears.values())
             or any(p.device.type != "cpu" for p in layer.parameters())
@@ -68,7 +69,7 @@ class NativeDecodeLayer:
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale, ACTIVATIONS[activation]
         )
         for name, norm in norms.items():
-            native.set_norm(name, norm.weight.detach(), norm.eps)
+            native.set_norm(name, norm.weight.detach(), norm.eps, _unit_offset(norm))
         for name, (kind, weight, scales, isa) in weights.items():
             module = linears[name]
             bias = None if module.bias is None else module.bias.detach()
@@ -85,6 +86,24 @@ class NativeDecodeLayer:
         return self.native.forward(
             hidden_states, cos, sin, self.attn.k_cache, self.attn.v_cache, metadata.slot_mapping, tables, mask
         )
+
+
+def _unit_offset(norm: nn.Module) -> Optional[bool]:
+    """How the native layer computes `norm`: False as `RMSNorm` (x * r rounded, times w), True as a norm of
+    (1 + w) in float32 (Gemma 3's, whose class says `unit_offset = True`), None: it does not."""
+    if type(norm) is RMSNorm:
+        return False
+    return True if getattr(type(norm), "unit_offset", False) else None
+
+
+def native_layer_for_step(layer: nn.Module, hidden_states: torch.Tensor) -> Optional[NativeDecodeLayer]:
+    """The native decode layer that runs `layer` on this step (built on the first decode step, kept in
+    `layer._native`; False there once it cannot), or None: the step runs the eager modules."""
+    if layer._native is False or not is_decode_step(hidden_states):
+        return None
+    if layer._native is None:
+        layer._native = NativeDecodeLayer.build(layer, layer.mlp.activation) or False
+    return layer._native if layer._native and layer._native.dtype == hidden_states.dtype else None
 
 
 def is_decode_step(hidden_states: torch.Tensor) -> bool:

@@ -1,6 +1,7 @@
 // One decoder layer of a decode step as one call: RMSNorm -> QKV -> (q/k norm) -> rotary -> K/V into the paged
-// cache -> attention over each sequence's blocks -> O + residual -> RMSNorm -> gate/up -> act(gate) * up -> down
-// + residual, for the Llama-shaped layers (Llama, Mistral, Qwen2/3 and the VLMs built on them).
+// cache -> attention over each sequence's blocks -> O (-> norm) + residual -> RMSNorm -> gate/up -> act(gate) * up
+// -> down (-> norm) + residual, for the Llama-shaped layers (Llama, Mistral, Qwen2/3 and the VLMs built on them)
+// and Gemma 3's (norms of (1 + w) in float32, and after the attention and the MLP too).
 //
 // Why: eager PyTorch spends ~20 us of Python and dispatch per small op, ~400 us a layer, which at batch-1 decode
 // of a 135M model is more than the weights take to read. Here the linears call the native kernels directly, and
@@ -59,16 +60,22 @@ inline float as_float(T v) { return static_cast<float>(v); }
 
 // y = the eager RMSNorm's (layernorm.py) with the same roundings: float32 x * rsqrt(mean(x^2) + eps), rounded to
 // x's dtype, times the weight (rounded again); float32: (x * r) * w. Only the order of the sum of squares differs.
+// unit_offset: Gemma 3's (models/gemma3.py Gemma3RMSNorm): (x * r) * (1 + w) all in float32, rounded once.
 template <typename T>
-void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps) {
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, float eps, bool unit_offset) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = x + r * n;
     float sum = 0;
     for (int64_t i = 0; i < n; ++i) sum += as_float(row[i]) * as_float(row[i]);
     const float scale = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
     for (int64_t i = 0; i < n; ++i) {
-      const T normed = static_cast<T>(as_float(row[i]) * scale);
-      y[r * n + i] = static_cast<T>(as_float(w[i]) * as_float(normed));
+      if (unit_offset) {
+        const float normed = as_float(row[i]) * scale;
+        y[r * n + i] = static_cast<T>(normed * (1.0f + as_float(w[i])));
+      } else {
+        const T normed = static_cast<T>(as_float(row[i]) * scale);
+        y[r * n + i] = static_cast<T>(as_float(w[i]) * as_float(normed));
+      }
     }
   }
 }
@@ -186,6 +193,7 @@ void with_dtype(at::ScalarType t, F f) {
 struct Norm {
   at::Tensor weight;
   double eps = 1e-6;
+  bool unit_offset = false;
   bool defined() const { return weight.defined(); }
   at::Tensor operator()(const at::Tensor& x) const {
     TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "DecodeLayer: a norm weight of ", weight.scalar_type(),
@@ -195,7 +203,8 @@ struct Norm {
     const int64_t n = weight.size(0);
     with_dtype(x.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      rms_norm_rows(xc.data_ptr<T>(), weight.data_ptr<T>(), y.data_ptr<T>(), xc.numel() / n, n, static_cast<float>(eps));
+      rms_norm_rows(xc.data_ptr<T>(), weight.data_ptr<T>(), y.data_ptr<T>(), xc.numel() / n, n, static_cast<float>(eps),
+                    unit_offset);
     });
     return y;
   }
@@ -204,16 +213,21 @@ struct Norm {
 struct DecodeLayer : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim, activation;  // activation: 0 silu, 1 gelu (tanh)
   double scale;
-  Norm input_norm, post_norm, q_norm, k_norm;
+  // post: before the MLP (Llama's post_attention_layernorm, Gemma 3's pre_feedforward_layernorm); attn_out and
+  // mlp_out (Gemma 3): on the attention's and the MLP's outputs, before their residual adds
+  Norm input_norm, post_norm, q_norm, k_norm, attn_out_norm, mlp_out_norm;
   LinearWeight qkv, o, gate_up, down;
 
   DecodeLayer(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int64_t activation)
       : heads(heads), kv_heads(kv_heads), head_dim(head_dim), activation(activation), scale(scale) {}
 
-  void set_norm(const std::string& name, at::Tensor weight, double eps) {
-    Norm& norm = name == "input" ? input_norm : name == "post" ? post_norm : name == "q" ? q_norm : k_norm;
-    TORCH_CHECK(name == "input" || name == "post" || name == "q" || name == "k", "DecodeLayer: no norm ", name);
-    norm = Norm{std::move(weight), eps};
+  void set_norm(const std::string& name, at::Tensor weight, double eps, bool unit_offset) {
+    TORCH_CHECK(name == "input" || name == "post" || name == "q" || name == "k" || name == "attn_out" ||
+                    name == "mlp_out",
+                "DecodeLayer: no norm ", name);
+    Norm& norm = name == "input" ? input_norm : name == "post" ? post_norm : name == "q" ? q_norm
+               : name == "k" ? k_norm : name == "attn_out" ? attn_out_norm : mlp_out_norm;
+    norm = Norm{std::move(weight), eps, unit_offset};
   }
 
   void set_linear(const std::string& name, int64_t kind, at::Tensor w, c10::optional<at::Tensor> scales,
@@ -270,13 +284,15 @@ struct DecodeLayer : torch::CustomClassHolder {
     // o + residual, then the MLP (LlamaMLP.forward) + residual
     const auto xc = x.contiguous();
     auto hidden = at::empty_like(xc);
-    const auto o_out = o(attn.view({batch, q_width})).contiguous();
+    auto o_out = o(attn.view({batch, q_width})).contiguous();
+    if (attn_out_norm.defined()) o_out = attn_out_norm(o_out);
     const auto gu = gate_up(post_norm(residual(xc, o_out, hidden))).contiguous();
     // act(gate) * up by ATen's vectorized activations (a scalar exp per element cost ~30 us a layer)
     const int64_t inter = gu.size(-1) / 2;
     const auto gate = gu.narrow(-1, 0, inter), up = gu.narrow(-1, inter, inter);
     const auto act = (activation == 0 ? at::silu(gate) : at::gelu(gate, "tanh")).mul_(up);
-    const auto down_out = down(act).contiguous();
+    auto down_out = down(act).contiguous();
+    if (mlp_out_norm.defined()) down_out = mlp_out_norm(down_out);
     return residual(hidden, down_out, at::empty_like(xc));
   }
 
