@@ -106,7 +106,8 @@ def test_gemv_bf16dot_is_x_times_w_transposed(shape):
 # --- int8 / int4 weights: integer dot products ------------------------------------------------------------------
 
 QUANT_SHAPES = [(1, 20, 64, 32), (2, 100, 96, 96), (3, 33, 64, 64), (5, 40, 1024, 512), (9, 576, 576, 32),
-                (17, 48, 128, 32), (1, 1000, 32, 32)]  # (M, N, K, G): tails of rows, blocks and panels; G up to 512
+                (17, 48, 128, 32), (1, 1000, 32, 32), (2, 32, 120, 12), (3, 40, 80, 40)]
+# (M, N, K, G): tails of rows, blocks and panels; G up to 512, and groups x is quantized in with a tail (12, 40)
 
 
 def quant_isa_paths() -> list[int]:
