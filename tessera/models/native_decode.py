@@ -66,7 +66,8 @@ class NativeDecodeLayer:
         if any(w is None for w in weights.values()):
             return None
         native = torch.classes.tessera.DecodeLayer(
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale, ACTIVATIONS[activation]
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale, ACTIVATIONS[activation],
+            native_kernels.cpu_isa(),
         )
         for name, norm in norms.items():
             native.set_norm(name, norm.weight.detach(), norm.eps, _unit_offset(norm))

@@ -116,8 +116,44 @@ AVX2 void axpy8(float p, const C* value, float* acc, int64_t d) {
   for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8_256<C>(value + i), _mm256_loadu_ps(acc + i)));
 }
 
+// AVX-512, D a multiple of 16: the dot in two chains; the weighted sum of values kept in registers over all
+// positions, 64 dimensions at a time (a 64-wide head: one pass), instead of a load and a store per position.
 template <typename C>
-float dot(const float* q, const C* key, int64_t d) {
+AVX512 float dot16(const float* q, const C* key, int64_t d) {
+  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) {
+    a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16_512<C>(key + i, 0xFFFF), a);
+    b = _mm512_fmadd_ps(_mm512_loadu_ps(q + i + 16), load16_512<C>(key + i + 16, 0xFFFF), b);
+  }
+  if (i < d) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16_512<C>(key + i, 0xFFFF), a);
+  return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+}
+
+// acc[0, d) = sum over the n positions of p[l] * value(l)[0, d), value(l) = values + offsets[l].
+template <typename C>
+AVX512 void weighted_sum16(const float* p, const C* values, const int64_t* offsets, int64_t n, int64_t d, float* acc) {
+  for (int64_t c = 0; c < d; c += 64) {
+    const int64_t width = std::min<int64_t>(64, d - c);  // a multiple of 16
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t l = 0; l < n; ++l) {
+      const __m512 pv = _mm512_set1_ps(p[l]);
+      const C* v = values + offsets[l] + c;
+      s0 = _mm512_fmadd_ps(pv, load16_512<C>(v, 0xFFFF), s0);
+      if (width > 16) s1 = _mm512_fmadd_ps(pv, load16_512<C>(v + 16, 0xFFFF), s1);
+      if (width > 32) s2 = _mm512_fmadd_ps(pv, load16_512<C>(v + 32, 0xFFFF), s2);
+      if (width > 48) s3 = _mm512_fmadd_ps(pv, load16_512<C>(v + 48, 0xFFFF), s3);
+    }
+    _mm512_storeu_ps(acc + c, s0);
+    if (width > 16) _mm512_storeu_ps(acc + c + 16, s1);
+    if (width > 32) _mm512_storeu_ps(acc + c + 32, s2);
+    if (width > 48) _mm512_storeu_ps(acc + c + 48, s3);
+  }
+}
+
+template <typename C>
+float dot(const float* q, const C* key, int64_t d, bool avx512) {
+  if (avx512 && d % 16 == 0) return dot16(q, key, d);
   if (d % 8 == 0) return dot8(q, key, d);
   float sum = 0;
   for (int64_t i = 0; i < d; ++i) sum += q[i] * as_float(key[i]);
@@ -125,19 +161,29 @@ float dot(const float* q, const C* key, int64_t d) {
 }
 
 template <typename C>
-void axpy(float p, const C* value, float* acc, int64_t d) {
-  if (d % 8 == 0) return axpy8(p, value, acc, d);
-  for (int64_t i = 0; i < d; ++i) acc[i] += p * as_float(value[i]);
+void weighted_sum(const float* p, const C* values, const int64_t* offsets, int64_t n, int64_t d, float* acc,
+                  bool avx512) {
+  if (avx512 && d % 16 == 0) return weighted_sum16(p, values, offsets, n, d, acc);
+  std::fill(acc, acc + d, 0.0f);
+  for (int64_t l = 0; l < n; ++l) {
+    if (d % 8 == 0) {
+      axpy8(p[l], values + offsets[l], acc, d);
+    } else {
+      for (int64_t i = 0; i < d; ++i) acc[i] += p[l] * as_float(values[offsets[l] + i]);
+    }
+  }
 }
 
 // Decode attention over the paged cache, the step's k / v written first: per sequence b and query head, softmax of
 // scale * q . k over the cache positions its mask row shows (table order), times v; float32 sums, the output
-// rounded to T. cache [blocks, block_size, kv_heads, D]; tables [B, nb]; mask [B, nb * block_size].
+// rounded to T. cache [blocks, block_size, kv_heads, D]; tables [B, nb]; mask [B, nb * block_size]. The visible
+// positions' cache offsets are listed once per sequence (no division per position and head).
 template <typename T, typename C>
 void decode_attention(const T* q, const T* k, const T* v, int64_t q_row, int64_t kv_row, int64_t v_row, C* k_cache,
                       C* v_cache,
                       const int64_t* slots, const int64_t* tables, const bool* mask, int64_t batch, int64_t nb,
-                      int64_t block_size, int64_t heads, int64_t kv_heads, int64_t d, float scale, T* out) {
+                      int64_t block_size, int64_t heads, int64_t kv_heads, int64_t d, float scale, T* out,
+                      bool avx512) {
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t i = 0; i < d; ++i) {
@@ -145,29 +191,36 @@ void decode_attention(const T* q, const T* k, const T* v, int64_t q_row, int64_t
         v_cache[(slots[b] * kv_heads + h) * d + i] = static_cast<C>(as_float(v[b * v_row + h * d + i]));
       }
   const int64_t group = heads / kv_heads, positions = nb * block_size;
+  std::vector<int64_t> offsets(batch * positions), counts(batch);  // the visible slots' offsets (kv head 0)
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t first = tables[b * nb + j] * block_size;
+      for (int64_t t = 0; t < block_size; ++t)
+        if (mask[b * positions + j * block_size + t]) offsets[b * positions + n++] = (first + t) * kv_heads * d;
+    }
+    counts[b] = n;
+  }
   const int64_t work = batch * heads * positions * d;
   at::parallel_for(0, batch * heads, std::max<int64_t>(1, (batch * heads) * (1 << 15) / std::max<int64_t>(work, 1)),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> scores(positions), qf(d), acc(d);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / heads, h = item % heads, g = h / group;
+      const int64_t b = item / heads, h = item % heads, g = h / group, n = counts[b];
+      const int64_t* offset = offsets.data() + b * positions;
       for (int64_t i = 0; i < d; ++i) qf[i] = as_float(q[b * q_row + h * d + i]);
+      const C* keys = k_cache + g * d;
       float best = -INFINITY;
-      for (int64_t l = 0; l < positions; ++l) {
-        if (!mask[b * positions + l]) continue;
-        const int64_t slot = tables[b * nb + l / block_size] * block_size + l % block_size;
-        scores[l] = dot(qf.data(), k_cache + (slot * kv_heads + g) * d, d) * scale;
+      for (int64_t l = 0; l < n; ++l) {
+        scores[l] = dot(qf.data(), keys + offset[l], d, avx512) * scale;
         best = std::max(best, scores[l]);
       }
       float total = 0;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t l = 0; l < positions; ++l) {
-        if (!mask[b * positions + l]) continue;
-        const float p = std::exp(scores[l] - best);
-        total += p;
-        const int64_t slot = tables[b * nb + l / block_size] * block_size + l % block_size;
-        axpy(p, v_cache + (slot * kv_heads + g) * d, acc.data(), d);
+      for (int64_t l = 0; l < n; ++l) {
+        scores[l] = std::exp(scores[l] - best);
+        total += scores[l];
       }
+      weighted_sum(scores.data(), v_cache + g * d, offset, n, d, acc.data(), avx512);
       for (int64_t i = 0; i < d; ++i) out[(b * heads + h) * d + i] = static_cast<T>(acc[i] / total);
     }
   });
@@ -211,15 +264,15 @@ struct Norm {
 };
 
 struct DecodeLayer : torch::CustomClassHolder {
-  int64_t heads, kv_heads, head_dim, activation;  // activation: 0 silu, 1 gelu (tanh)
+  int64_t heads, kv_heads, head_dim, activation, isa;  // activation: 0 silu, 1 gelu (tanh); isa: attention's
   double scale;
   // post: before the MLP (Llama's post_attention_layernorm, Gemma 3's pre_feedforward_layernorm); attn_out and
   // mlp_out (Gemma 3): on the attention's and the MLP's outputs, before their residual adds
   Norm input_norm, post_norm, q_norm, k_norm, attn_out_norm, mlp_out_norm;
   LinearWeight qkv, o, gate_up, down;
 
-  DecodeLayer(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int64_t activation)
-      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), activation(activation), scale(scale) {}
+  DecodeLayer(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, int64_t activation, int64_t isa)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), activation(activation), isa(isa), scale(scale) {}
 
   void set_norm(const std::string& name, at::Tensor weight, double eps, bool unit_offset) {
     TORCH_CHECK(name == "input" || name == "post" || name == "q" || name == "k" || name == "attn_out" ||
@@ -278,7 +331,7 @@ struct DecodeLayer : torch::CustomClassHolder {
                                width, k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), slots_c.data_ptr<int64_t>(),
                                tables_c.data_ptr<int64_t>(), mask_c.data_ptr<bool>(), batch, tables_c.size(1),
                                k_cache.size(1), heads, kv_heads, head_dim, static_cast<float>(scale),
-                               attn.data_ptr<T>());
+                               attn.data_ptr<T>(), isa == kAvx512);
       });
     });
     // o + residual, then the MLP (LlamaMLP.forward) + residual
@@ -312,7 +365,7 @@ struct DecodeLayer : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(tessera, m) {
   m.class_<DecodeLayer>("DecodeLayer")
-      .def(torch::init<int64_t, int64_t, int64_t, double, int64_t>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, int64_t, int64_t>())
       .def("set_norm", &DecodeLayer::set_norm)
       .def("set_linear", &DecodeLayer::set_linear)
       .def("forward", &DecodeLayer::forward);
