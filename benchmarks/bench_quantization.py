@@ -2,7 +2,7 @@
 process on the realistic LLaVA (`bench_model`: CLIP ViT-B/16 + a SmolLM2-135M-shaped Llama). The
 variants take turns over `--rounds` rounds (so drifts in machine load hit all of them); each prints
 its median. Also prints the language model's linear weight bytes of each variant.
-Goal: int8 (bfloat16 activations) decode >= 1.8x bfloat16 decode; int4 (groups of 32) should beat int8.
+Goals: int8 (bfloat16 activations) decode >= 1.8x bfloat16 decode, int4 (groups of 32) >= 3x.
 
     .venv/bin/python -m benchmarks.bench_quantization [--tokens 64] [--rounds 3]
 """
@@ -81,10 +81,10 @@ def main() -> None:
     for num, den in pairs:
         if num in medians and den in medians:
             print(f"  {num} / {den}: {medians[num] / medians[den]:.2f}x")
-    for method in ("int8", "int4"):
+    for method, goal in (("int8", 1.8), ("int4", 3.0)):  # issue 37's goals
         if f"{method} (bfloat16 act.)" in medians and "bfloat16" in medians:
             ratio = medians[f"{method} (bfloat16 act.)"] / medians["bfloat16"]
-            print(f"{method} / bfloat16 decode {ratio:.2f}x  (goal >= 1.8x)")
+            print(f"{method} / bfloat16 decode {ratio:.2f}x  (goal >= {goal}x)")
 
 
 if __name__ == "__main__":
