@@ -8,10 +8,12 @@ differs (tests/models/test_native_decode.py): one call per layer instead of ~40 
 
 Which layers: `LlamaDecoderLayer` (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its q/k norms, and
 the VLMs built on them) and `Gemma3DecoderLayer` (its (1 + w) norms, also after the attention and the MLP), on
-CPU, without tensor parallelism, with silu or tanh-gelu MLPs and no soft-capping, whose linears each run a kernel
+CPU, with silu or tanh-gelu MLPs and no soft-capping, whose linears each run a kernel
 the native layer can call (`Linear.native_decode_weight`). A layer names its norms' roles in `NATIVE_NORMS`.
 Which steps: pure decode steps (one new token per sequence, any number of sequences); prefill and mixed steps
-stay eager. `TESSERA_CPU_KERNELS=fallback` turns it off with the other native kernels.
+stay eager. Under tensor parallelism a layer is three native calls, the o and down outputs summed over the ranks
+between them (as RowParallelLinear sums them in the eager layer). `TESSERA_CPU_KERNELS=fallback` turns it off
+with the other native kernels.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..layers import native_kernels
 from ..layers.attention import get_attention_metadata
 from ..layers.cpu_kernels import kernel_mode
 from ..layers.layernorm import RMSNorm
-from ..layers.linear import Linear
+from ..layers.linear import Linear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,9 @@ class NativeDecodeLayer:
 
     def __init__(self, layer: nn.Module, native: torch.ScriptObject, dtype: torch.dtype) -> None:
         self.attn, self.rope, self.native = layer.self_attn.attn, layer.self_attn.rotary_emb, native
+        tp = layer.self_attn.o_proj.tp if isinstance(layer.self_attn.o_proj, RowParallelLinear) else None
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        """The tensor-parallel group whose ranks' o and down outputs are summed between the native parts."""
         self.dtype = dtype
         """The hidden states' dtype it runs (its norms' weights'); others run the eager layer."""
 
@@ -58,7 +63,6 @@ class NativeDecodeLayer:
             or attn.attn.logits_soft_cap is not None
             or any(_unit_offset(n) is None for n in norms.values())
             or len({n.weight.dtype for n in norms.values()}) != 1
-            or any(getattr(m, "tp", None) is not None and m.tp.world_size > 1 for m in linears.values())
             or any(p.device.type != "cpu" for p in layer.parameters())
         ):
             return None
@@ -84,9 +88,12 @@ class NativeDecodeLayer:
         window = self.attn.sliding_window
         tables, mask = metadata.decode_tables(window)
         cos, sin = self.rope.tables(positions, hidden_states.dtype)
-        return self.native.forward(
-            hidden_states, cos, sin, self.attn.k_cache, self.attn.v_cache, metadata.slot_mapping, tables, mask
-        )
+        inputs = (hidden_states, cos, sin, self.attn.k_cache, self.attn.v_cache, metadata.slot_mapping, tables, mask)
+        if self.tp is None:
+            return self.native.forward(*inputs)
+        # tensor parallelism: the all-reduces of the eager layer's RowParallelLinears, between the native parts
+        hidden, down = self.native.mlp(hidden_states, self.tp.all_reduce(self.native.attention(*inputs)))
+        return self.native.finish(hidden, self.tp.all_reduce(down))
 
 
 def _unit_offset(norm: nn.Module) -> Optional[bool]:

@@ -127,3 +127,22 @@ def test_a_gguf_files_blocks_run_natively_with_the_eager_numbers(tmp_path, weigh
     native, eager = native_and_eager(llm, PROMPTS, vocab)
     for (ids_a, a), (ids_b, b) in zip(native, eager):
         assert_same_greedy_run(ids_a, a, ids_b, b, 2**-8 * float(b.abs().max()))
+
+
+def test_tensor_parallel_ranks_run_the_native_layer_in_three_parts(folders):
+    """Two ranks: each layer's native parts with the o and down outputs summed over the ranks between them; rank 0's
+    layers (this process) ran natively, and give the numbers of its eager layers."""
+    llm = LLM(str(folders["qwen2-bias"]), device="cpu", dtype="float32", tensor_parallel_size=2,
+              kv_cache_memory="8MiB", enable_prefix_caching=False)  # fmt: skip
+    try:
+        vocab = llm.engine.model_config.hf_config.vocab_size
+        native = greedy_logprobs(llm, PROMPTS, 5, vocab)
+        layers = decoder_layers(llm)
+        assert layers and all(layer._native and layer._native.tp.world_size == 2 for layer in layers)
+        for layer in layers:
+            layer._native = False
+        eager = greedy_logprobs(llm, PROMPTS, 5, vocab)
+    finally:
+        llm.shutdown()
+    for (ids_a, a), (ids_b, b) in zip(native, eager):
+        assert_same_greedy_run(ids_a, a, ids_b, b, 1e-5 * float(b.abs().max()))

@@ -9,6 +9,9 @@
 // each, with the eager modules' roundings (tessera/models/llama.py, layers/attention.py, rotary.py,
 // layernorm.py): only the order of float32 sums differs.
 //
+// Under tensor parallelism the layer is three calls (attention, mlp, finish), the ranks' o and down outputs summed
+// between them by the caller.
+//
 // A `DecodeLayer` (a torch custom class) is built once per layer from its weights (each linear in the layout its
 // kernel streams); `forward` takes what changes per step: the hidden states, the rotary tables of the step, the
 // layer's caches and the step's decode tables.
@@ -295,6 +298,17 @@ struct DecodeLayer : torch::CustomClassHolder {
   // positions. -> [B, hidden]
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                      at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& mask) {
+    const auto [hidden, down_out] = mlp(x, attention(x, cos, sin, k_cache, v_cache, slots, tables, mask));
+    return finish(hidden, down_out);
+  }
+
+  // Under tensor parallelism the o and down projections hold this rank's columns: the caller sums their outputs
+  // over the ranks between the three parts (what RowParallelLinear's all-reduce does in the eager layer).
+  //   attention(x, ...) -> o_proj(attention(norm(x)))        (this rank's part of the sum)
+  //   mlp(x, o)         -> (h = x + norm(o), down(act(gate) * up of norm(h)))   (o summed; down: this rank's part)
+  //   finish(h, down)   -> h + norm(down)                     (down summed)
+  at::Tensor attention(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                       at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& mask) {
     const int64_t batch = x.size(0), q_width = heads * head_dim, kv_width = kv_heads * head_dim;
     // attention: models/llama.py LlamaAttention.forward
     const auto qkv_out = qkv(input_norm(x)).contiguous();  // [B, q | k | v]
@@ -334,19 +348,26 @@ struct DecodeLayer : torch::CustomClassHolder {
                                attn.data_ptr<T>(), isa == kAvx512);
       });
     });
-    // o + residual, then the MLP (LlamaMLP.forward) + residual
+    return o(attn.view({batch, q_width})).contiguous();
+  }
+
+  // o (+ its norm) + residual, then the MLP (LlamaMLP.forward) up to down's output
+  std::tuple<at::Tensor, at::Tensor> mlp(const at::Tensor& x, const at::Tensor& o_out) {
     const auto xc = x.contiguous();
     auto hidden = at::empty_like(xc);
-    auto o_out = o(attn.view({batch, q_width})).contiguous();
-    if (attn_out_norm.defined()) o_out = attn_out_norm(o_out);
-    const auto gu = gate_up(post_norm(residual(xc, o_out, hidden))).contiguous();
+    const auto o_normed = attn_out_norm.defined() ? attn_out_norm(o_out) : o_out.contiguous();
+    const auto gu = gate_up(post_norm(residual(xc, o_normed, hidden))).contiguous();
     // act(gate) * up by ATen's vectorized activations (a scalar exp per element cost ~30 us a layer)
     const int64_t inter = gu.size(-1) / 2;
     const auto gate = gu.narrow(-1, 0, inter), up = gu.narrow(-1, inter, inter);
     const auto act = (activation == 0 ? at::silu(gate) : at::gelu(gate, "tanh")).mul_(up);
-    auto down_out = down(act).contiguous();
-    if (mlp_out_norm.defined()) down_out = mlp_out_norm(down_out);
-    return residual(hidden, down_out, at::empty_like(xc));
+    return {hidden, down(act).contiguous()};
+  }
+
+  // (+ down's norm) + residual
+  at::Tensor finish(const at::Tensor& hidden, const at::Tensor& down_out) {
+    const auto d = mlp_out_norm.defined() ? mlp_out_norm(down_out) : down_out.contiguous();
+    return residual(hidden, d, at::empty_like(hidden));
   }
 
   // out = a + b (same shapes, contiguous, x's dtype)
@@ -368,5 +389,8 @@ TORCH_LIBRARY_FRAGMENT(tessera, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, int64_t, int64_t>())
       .def("set_norm", &DecodeLayer::set_norm)
       .def("set_linear", &DecodeLayer::set_linear)
-      .def("forward", &DecodeLayer::forward);
+      .def("forward", &DecodeLayer::forward)
+      .def("attention", &DecodeLayer::attention)
+      .def("mlp", &DecodeLayer::mlp)
+      .def("finish", &DecodeLayer::finish);
 }
