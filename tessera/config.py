@@ -136,8 +136,9 @@ class ModelConfig:
     """Weight quantization at load, one of QUANTIZATION_METHODS ("int8": the language model's linear
     layers, lm_head included, get int8 weights with a scale per group of 32 inputs; "int4": 4-bit weights with
     a scale and zero per group of 32 inputs; the vision tower and projector keep their dtype); "auto": for a
-    GGUF file, the method that keeps its matrices about as small as the file has them (AUTO_QUANTIZATION),
-    None otherwise; None: the checkpoint's weights in `dtype`."""
+    GGUF file, its quantized blocks as they are where the native kernels run, else the method that keeps its
+    matrices about as small as the file has them (AUTO_QUANTIZATION), None otherwise; None: the checkpoint's
+    weights in `dtype`."""
 
     allow_pickle: bool = False
     """Load .bin/.pt weights (pickle, which can run code) when there are no .safetensors."""

@@ -139,9 +139,9 @@ def _device_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, metavar="DTYPE",
                         help="float32, bfloat16 or float16 (default: auto, the model config's dtype)")  # fmt: skip
     parser.add_argument("--quantization", default=None, choices=(*QUANTIZATION_METHODS, AUTO_QUANTIZATION),
-                        help="quantize the language model's weights at load: int8 (per-channel) or int4 "
-                        "(groups of 32 inputs); auto: a GGUF file's weights stay about as small as the file "
-                        "has them (4-bit types -> int4, 8-bit -> int8)")  # fmt: skip
+                        help="quantize the language model's weights at load: int8 or int4 (groups of 32 "
+                        "inputs); auto: a GGUF file's quantized blocks run as they are (Q8_0, Q4_0/1, Q5_0/1, "
+                        "Q4_K, Q5_K, Q6_K; others as int4 / int8)")  # fmt: skip
     parser.add_argument(
         "--tensor-parallel-size",
         "-tp",
