@@ -70,7 +70,8 @@ def blocks_by_layer(model: nn.Module, blocks: Mapping[str, QuantizedBlocks]) -> 
     targets, prefixes = _shard_targets(model), getattr(model, "hf_to_tessera_prefixes", {})
     parts: dict[str, list[tuple[int, QuantizedBlocks]]] = {}
     for hf_name, value in blocks.items():
-        fused, rows = targets.get(_rename(hf_name, prefixes), (_rename(hf_name, prefixes), slice(0, None)))
+        name = _rename(hf_name, prefixes)
+        fused, rows = targets.get(name, (name, slice(0, None)))
         parts.setdefault(fused, []).append((rows.start or 0, value))
     for group in _tied_names(model).values():
         present = next((parts[name] for name in group if name in parts), None)
