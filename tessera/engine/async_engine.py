@@ -42,7 +42,8 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed while running this request; others go on. `status_code`: 500 where it is not
-    the caller's fault, 400 where the request's own inputs could not run."""
+    the caller's fault, 400 where the request's own inputs could not run, 503 where the server ended it
+    while shutting down."""
 
     def __init__(self, message: str, status_code: int = 500) -> None:
         super().__init__(message)
@@ -212,6 +213,12 @@ class AsyncEngine:
             raise
         return stream
 
+    def abort_all(self, message: str) -> None:
+        """End every request in flight (their streams raise `RequestFailedError(message, 503)`) and
+        free what they hold; new requests are still taken. Thread-safe; returns at once."""
+        if self.is_alive:
+            self.submit(self._abort_all, message)
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()
@@ -228,6 +235,12 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self.engine.abort_request(request_id)
+
+    def _abort_all(self, message: str) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            self.engine.abort_request(request_id)
+            stream.put(RequestFailedError(message, 503))
 
     def _worker_died(self, error: BaseException) -> None:
         """(On the worker monitor's thread.) Make the engine thread stop with `error` at once."""

@@ -214,6 +214,11 @@ class DataParallelEngine:
         index = self.router.route(key, self.loads())  # no await between choosing and counting the request
         return await self.replicas[index].add_request(request_id, prompt, params)
 
+    def abort_all(self, message: str) -> None:
+        """End every request in flight on every replica (`RequestFailedError(message, 503)` on their streams)."""
+        for replica in self.replicas:
+            replica.abort_all(message)
+
     def shutdown(self) -> None:
         for replica in self.replicas:
             replica._closing = True  # stopping on purpose is no death

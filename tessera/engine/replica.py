@@ -171,6 +171,18 @@ class ReplicaClient:
         """A command's result, waiting on this thread (never call it on an event loop's thread)."""
         return self._request(kind, *args).result(timeout)
 
+    def abort_all(self, message: str) -> None:
+        """End every request in flight on this replica: their streams raise `RequestFailedError(message, 503)`
+        at once and the replica frees them."""
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            stream.put(RequestFailedError(message, 503))
+            if self.is_alive:
+                try:
+                    self._send(("abort", request_id))
+                except EngineDeadError:
+                    pass
+
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._shut:
             return

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=32 * 2**20, help="larger bodies get 413")
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                        help="engine replicas, each a process of its own, routed by image (default 1)")  # fmt: skip
+    serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
+                       help="on SIGTERM, seconds running requests get to finish before they are ended (default 5)")
     _mm_processor_kwargs_option(serve)
     _pipeline_options(serve)
 
@@ -242,6 +244,8 @@ def _model_folder(model: Optional[str]) -> Path:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout:g}.")
         if args.allowed_media_dir is not None and not Path(args.allowed_media_dir).is_dir():
             raise ValueError(f"--allowed-media-dir {args.allowed_media_dir} is not a folder.")
         folder = _model_folder(_model_of(args))
@@ -260,7 +264,7 @@ def _serve(args: argparse.Namespace) -> int:
                      chat_template_content_format=args.chat_template_content_format,
                      max_request_bytes=args.max_request_bytes, kv_cache_memory=args.kv_cache_memory,
                      media_io_kwargs=args.media_io_kwargs, tool_call_parser=args.tool_call_parser,
-                     data_parallel_size=args.data_parallel_size,
+                     data_parallel_size=args.data_parallel_size, shutdown_timeout=args.shutdown_timeout,
                      **_pipeline_kwargs(args), **_mm_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)

@@ -72,6 +72,32 @@ def test_a_reader_that_stops_early_aborts_its_request(engine):
     assert not busy and free == engine.engine.num_blocks
 
 
+def test_abort_all_ends_every_stream_with_a_503_and_the_engine_serves_on(engine):
+    async def run():
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        streams = [await engine.add_request(f"all{i}", prompt, params) for i, prompt in enumerate(prompts()[:2])]
+        streams = [aiter(stream) for stream in streams]  # one reader each: a dropped reader aborts its request
+        first = [await anext(stream) for stream in streams]
+        engine.abort_all("shutting down")
+        statuses = []
+        for stream in streams:
+            with pytest.raises(RequestFailedError, match="shutting down") as caught:
+                async for _ in stream:
+                    pass
+            statuses.append(caught.value.status_code)
+        after = await engine.add_request("after", prompts()[2], SamplingParams(max_tokens=3, ignore_eos=True))
+        outputs = [o async for o in after]
+        idle = await engine.call(
+            lambda: (engine.engine.has_unfinished_requests(), engine.engine.block_manager.num_free_blocks)
+        )
+        return first, statuses, outputs, idle
+
+    first, statuses, outputs, (busy, free) = asyncio.run(run())
+    assert not any(o.finished for o in first) and statuses == [503, 503]
+    assert len(outputs[-1].outputs[0].token_ids) == 3
+    assert not busy and free == engine.engine.num_blocks
+
+
 def test_a_request_whose_event_loop_closed_is_dropped_and_the_engine_lives_on(engine):
     async def start_and_leave():
         await engine.add_request("orphan", prompts()[2], SamplingParams(max_tokens=200, ignore_eos=True))

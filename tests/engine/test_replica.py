@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tessera import LLM, SamplingParams
-from tessera.engine.async_engine import EngineDeadError
+from tessera.engine.async_engine import EngineDeadError, RequestFailedError
 from tessera.engine.replica import ReplicaClient
 from tessera.testing import random_images
 
@@ -83,6 +83,28 @@ def test_a_reader_that_leaves_aborts_its_request(replica):
 
     asyncio.run(run())
     assert replica.num_in_flight == 0
+    wait_for(lambda: asyncio.run(replica.stats())["running"] == 0)
+    assert replica.last_stats["kv_blocks_used"] == 0
+
+
+def test_abort_all_ends_every_stream_with_a_503_and_frees_the_replica(replica):
+    async def run():
+        streams = [await replica.add_request(f"all{i}", "Hello", SamplingParams(max_tokens=3000, ignore_eos=True))
+                   for i in range(2)]  # fmt: skip
+        streams = [aiter(stream) for stream in streams]  # one reader each: a dropped reader aborts its request
+        first = [await anext(stream) for stream in streams]
+        replica.abort_all("shutting down")
+        errors = []
+        for stream in streams:
+            with pytest.raises(RequestFailedError, match="shutting down") as caught:
+                async for _ in stream:
+                    pass
+            errors.append(caught.value.status_code)
+        return first, errors
+
+    first, errors = asyncio.run(run())
+    assert not any(o.finished for o in first) and errors == [503, 503]
+    assert replica.num_in_flight == 0 and replica.is_alive
     wait_for(lambda: asyncio.run(replica.stats())["running"] == 0)
     assert replica.last_stats["kv_blocks_used"] == 0
 

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import signal
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -25,7 +26,7 @@ from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedEr
 from ...errors import ServerBusyError
 from ...multimodal.media import MediaPolicy
 from .body_limit import BodySizeLimit
-from .http_server import ServerThread, uvicorn_config
+from .http_server import GracefulServer, ServerThread, uvicorn_config
 from .media_loader import AsyncMediaLoader
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, UnsupportedParameter, error_body
@@ -220,6 +221,9 @@ async def until_disconnected(raw: Request, work: Awaitable[T]) -> Optional[T]:
     return task.result()
 
 
+SHUTDOWN_TIMEOUT = 5.0  # seconds running requests get to finish after SIGTERM (--shutdown-timeout)
+SHUTDOWN_FLUSH = 5.0  # seconds more for the ended ones' last events to reach their clients
+
 # serve() options that configure the engine; the rest configure the app.
 ENGINE_OPTIONS = ("kv_cache_memory", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                   "multimodal_pipeline", "pipelines_dir", "pipeline_params", "mm_processor_kwargs",
@@ -235,12 +239,17 @@ def serve(
     log_level: str = "info",
     head_timeout: float = 10.0,
     data_parallel_size: int = 1,
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT,
     **app_options: Any,
 ) -> int:
     """Load the model, start the engine thread and serve until interrupted. Returns the exit
     status: 1 if the engine died (so a supervisor restarts the server), else 0. With
     `data_parallel_size` N > 1: N engine replicas, each in a process of its own with the same engine
-    options, requests routed by their first image (docs/parallelism.md)."""
+    options, requests routed by their first image (docs/parallelism.md).
+
+    On SIGTERM (or Ctrl-C) the server stops accepting connections, lets running requests finish for up to
+    `shutdown_timeout` seconds, then ends the rest (a stream gets a final error event and [DONE], a whole
+    response a 503) and exits with status 0."""
     import uvicorn
 
     from ...engine.llm_engine import LLMEngine
@@ -255,15 +264,27 @@ def serve(
     else:
         engine = AsyncEngine(LLMEngine.from_options(model, **engine_options))
     app = build_app(engine, model_name=served_model_name or Path(model).name, **app_options)
-    server = uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level, head_timeout=head_timeout))
+    config = uvicorn_config(app, host=host, port=port, log_level=log_level, head_timeout=head_timeout,
+                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_FLUSH)  # fmt: skip
+    message = f"The server is shutting down; this request did not finish within {shutdown_timeout:g} s."
+    server = GracefulServer(config, drain_timeout=shutdown_timeout, end_requests=lambda: engine.abort_all(message))
 
     def exit_on_engine_death(error: BaseException) -> None:
         logger.error("The engine died (%r); stopping the server so that it can be restarted", error)
         server.should_exit = True
 
     engine.on_dead.append(exit_on_engine_death)
+    # uvicorn raises the signal it shut down on again once it has stopped: handled here, so that the engine is
+    # shut down below (tensor-parallel workers, replicas) and the exit status says how it went.
+    previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.run()
     finally:
         engine.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 1 if engine.dead is not None else 0
+
+
+def _stopped(sig: int, frame: Any) -> None:
+    """The signal uvicorn re-raises after its graceful shutdown: already handled."""

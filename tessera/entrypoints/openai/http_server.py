@@ -8,13 +8,18 @@ server's file descriptors. `HeadTimeoutProtocol` gives every request head a dead
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
+from collections.abc import Callable
+from types import FrameType
 from typing import Any, Optional
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger(__name__)
 
 
 class HeadTimeoutProtocol(H11Protocol):
@@ -61,6 +66,34 @@ def uvicorn_config(app: Any, *, head_timeout: float = 10.0, keep_alive: int = 5,
     """A uvicorn config for the app with head and keep-alive timeouts (seconds)."""
     protocol = type("HeadTimeoutProtocol", (HeadTimeoutProtocol,), {"head_timeout": head_timeout})
     return uvicorn.Config(app, http=protocol, timeout_keep_alive=keep_alive, **options)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with a deadline for the requests running at SIGTERM / SIGINT: uvicorn stops
+    accepting connections at once and waits for the open ones; `drain_timeout` seconds after the signal,
+    `end_requests()` ends whatever still runs (the server's streams then close with a final event), so
+    the process exits within about that time instead of waiting for every stream's last token."""
+
+    def __init__(self, config: uvicorn.Config, *, drain_timeout: float, end_requests: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.drain_timeout = drain_timeout
+        self.end_requests = end_requests
+        self._deadline: Optional[threading.Timer] = None
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first:
+            logger.info("Shutting down: running requests have %.1f s to finish", self.drain_timeout)
+            self._deadline = threading.Timer(self.drain_timeout, self._end_requests)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    def _end_requests(self) -> None:
+        try:
+            self.end_requests()
+        except Exception:
+            logger.exception("Ending the running requests at shutdown failed")
 
 
 class ServerThread:
