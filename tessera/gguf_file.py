@@ -54,7 +54,7 @@ from typing import Any, Optional, Union
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from .tokenizer_utils import special_tokens_added
+from .special_tokens import special_tokens_added
 
 logger = logging.getLogger(__name__)
 

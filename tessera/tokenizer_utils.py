@@ -1,21 +1,19 @@
-"""What a tokenizer does on its own to the text it encodes (the special tokens it adds), probed by
-encoding: the attributes (``add_bos_token``...) are not kept the same way by every tokenizer class."""
+"""Loading a model's tokenizer: from its folder (or `ModelConfig.tokenizer`), or converted from a GGUF file."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from transformers import AutoTokenizer
 
-def special_tokens_added(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """The token ids the tokenizer puts in front of and after the text it encodes."""
-    with_special = tokenizer.encode("a")
-    plain = tokenizer.encode("a", add_special_tokens=False)
-    start = next((i for i in range(len(with_special)) if with_special[i : i + len(plain)] == plain), 0)
-    return with_special[:start], with_special[start + len(plain) :]
+from .config import ModelConfig
+from .gguf_file import find_gguf_file, load_gguf_tokenizer
 
 
-def adds_special_token(tokenizer: Any, at_start: bool = True) -> bool:
-    """Whether encoding text adds the tokenizer's BOS in front (`at_start`), or its EOS at the end."""
-    token_id = tokenizer.bos_token_id if at_start else tokenizer.eos_token_id
-    prefix, suffix = special_tokens_added(tokenizer)
-    return token_id is not None and (prefix if at_start else suffix) == [token_id]
+def load_tokenizer(model_config: ModelConfig) -> Any:
+    """The tokenizer of the model's folder (or of `model_config.tokenizer`); for a GGUF file, the
+    one transformers converts from it, with the file's special tokens and BOS / EOS flags enforced."""
+    gguf_file = find_gguf_file(model_config.tokenizer)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file, trust_remote_code=model_config.trust_remote_code)
+    return AutoTokenizer.from_pretrained(model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)

@@ -18,10 +18,10 @@ from tessera.gguf_file import (
     load_gguf_tokenizer,
     read_gguf_metadata,
 )
-from tessera.multimodal.context import load_tokenizer
+from tessera.tokenizer_utils import load_tokenizer
 from tessera.testing import build_tiny_gguf
 from tessera.testing.tokenizer import CHATML_TEMPLATE
-from tessera.tokenizer_utils import adds_special_token
+from tessera.special_tokens import adds_special_token
 
 pytest.importorskip("gguf", reason="the gguf package writes and reads the test files (pip install gguf)")
 

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from tessera import LLM, SamplingParams  # noqa: E402
 from tessera.entrypoints.cli import main  # noqa: E402
 from tessera.gguf_file import load_gguf_tokenizer, read_gguf_metadata  # noqa: E402
-from tessera.tokenizer_utils import special_tokens_added  # noqa: E402
+from tessera.special_tokens import special_tokens_added  # noqa: E402
 
 MAX_TOKENS = 30
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]

@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional
 import jinja2
 
 from ..errors import InputError
-from ..tokenizer_utils import adds_special_token
+from ..special_tokens import adds_special_token
 
 Message = Mapping[str, Any]
 ImageLoader = Callable[[str], Any]

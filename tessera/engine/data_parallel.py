@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from ..errors import InputError
-from ..multimodal.context import load_tokenizer
+from ..tokenizer_utils import load_tokenizer
 from ..multimodal.hasher import MultiModalHasher
 from ..multimodal.inline_images import inline_images_to_prompt
 from ..sampling_params import SamplingParams

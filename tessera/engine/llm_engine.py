@@ -13,7 +13,7 @@ from ..distributed import get_tp_group, tensor_parallel_group
 from ..errors import InputError, WorkerDiedError
 from ..layers.kv_cache import kv_cache_bytes_per_block, kv_window
 from ..models.factory import build_model
-from ..multimodal.context import load_tokenizer
+from ..tokenizer_utils import load_tokenizer
 from ..multimodal.profiling import MultiModalProfiler
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams

@@ -9,7 +9,8 @@ text embeddings at those positions, so an image split across chunks is encoded o
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from collections.abc import Callable
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -29,10 +30,15 @@ from .request import MultiModalItem, Request
 from .scheduler import SchedulerOutput
 from .structured_output import token_mask
 
-if TYPE_CHECKING:
-    from .workers import WorkerGroup
-
 logger = logging.getLogger(__name__)
+
+
+class TensorParallelRanks(Protocol):
+    """The other tensor-parallel ranks, as the runner drives them (`workers.WorkerGroup`)."""
+
+    def start_model(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None: ...
+
+    def run_model(self, run_local: Callable[[], Any], inputs: Any) -> Any: ...
 
 
 class ModelRunner:
@@ -44,7 +50,7 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: str,
-        workers: Optional["WorkerGroup"] = None,
+        workers: Optional[TensorParallelRanks] = None,
     ) -> None:
         """`workers`: the other tensor-parallel ranks (this runner is rank 0), None with one rank."""
         self.model, self.block_size, self.device, self.workers = model, block_size, device, workers

@@ -15,13 +15,30 @@ This module only knows the M-RoPE layout; the frequencies, cos/sin cache and rot
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from collections.abc import Callable
+from typing import Any, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .rotary import RotaryEmbedding
+
+class RotaryFrequencies(Protocol):
+    """What M-RoPE uses of the 1-D `RotaryEmbedding` it wraps (rotary.py; imports go rotary -> mrope)."""
+
+    rope_type: str
+    rotary_dim: int
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor: ...
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, angles: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype, angles: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 # model_type -> (HF's default mrope_section, interleaved). HF's modeling classes fall back to these
 # sections when the config has none (e.g. `Qwen2VLConfig()`), so such a config is still M-RoPE.
@@ -112,7 +129,7 @@ class MRotaryEmbedding(nn.Module):
     forward(positions [3, T] (t, h, w) or [T] (text only: the index on all three axes), q [T, H, D],
     k [T, Hkv, D]) -> rotated q, k. cos/sin are cached per positions tensor like the 1-D rope's."""
 
-    def __init__(self, rope: "RotaryEmbedding", mrope_section: tuple[int, int, int], *, interleaved: bool) -> None:
+    def __init__(self, rope: RotaryFrequencies, mrope_section: tuple[int, int, int], *, interleaved: bool) -> None:
         super().__init__()
         if rope.rope_type == "dynamic":  # its frequencies follow a sequence length: no meaning on 3 axes
             raise ValueError("Dynamic NTK rope scaling with M-RoPE (mrope_section) is not supported")

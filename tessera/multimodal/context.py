@@ -18,10 +18,10 @@ from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from typing import Any, Optional, TypeVar
 
-from transformers import AutoProcessor, AutoTokenizer, BatchFeature, PretrainedConfig, ProcessorMixin
+from transformers import AutoProcessor, BatchFeature, PretrainedConfig, ProcessorMixin
 
 from ..config import ModelConfig
-from ..gguf_file import find_gguf_file, load_gguf_tokenizer
+from ..tokenizer_utils import load_tokenizer
 from .hf_compat import restore_legacy_layout
 from .processor_options import (
     CALL_DEFAULTS,
@@ -177,12 +177,3 @@ def _quiet_logger(name: str):
         yield
     finally:
         logger.setLevel(level)
-
-
-def load_tokenizer(model_config: ModelConfig) -> Any:
-    """The tokenizer of the model's folder (or of `model_config.tokenizer`); for a GGUF file, the
-    one transformers converts from it, with the file's special tokens and BOS / EOS flags enforced."""
-    gguf_file = find_gguf_file(model_config.tokenizer)
-    if gguf_file is not None:
-        return load_gguf_tokenizer(gguf_file, trust_remote_code=model_config.trust_remote_code)
-    return AutoTokenizer.from_pretrained(model_config.tokenizer, trust_remote_code=model_config.trust_remote_code)

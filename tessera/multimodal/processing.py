@@ -9,18 +9,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Optional, TypeVar
+from typing import Any, Generic, Optional, TypeVar
 
-from transformers import BatchFeature, PretrainedConfig, ProcessorMixin
+from transformers import BatchFeature
 
 from .cache import ProcessingCache
-from .context import InputProcessingContext
+from .context import InputProcessingContext  # noqa: F401  (re-exported)
 from .hasher import MultiModalHasher
 from .hf_compat import tokenize_text_only
 from .inputs import MultiModalDataDict, MultiModalFieldConfig, MultiModalInputs, MultiModalKwargs, MultiModalUUIDDict
 from .parse import EmbeddingItems, MultiModalDataItems, MultiModalDataParser
 from .placeholders import place_items
+from .processing_info import DEFAULT_MM_LIMIT, BaseProcessingInfo  # noqa: F401  (re-exported, as vLLM has them here)
 from .processor_options import check_mm_kwargs, check_request_magnitudes
+from .profiling import BaseDummyInputsBuilder
 from .prompt_matching import ResolvedUpdates, resolve_updates
 from .prompt_updates import (  # noqa: F401  (re-exported: model files import them from here)
     PromptIndex,
@@ -33,50 +35,6 @@ from .prompt_updates import (  # noqa: F401  (re-exported: model files import th
     TokenCodec,
     UpdateMode,
 )
-
-if TYPE_CHECKING:
-    from .profiling import BaseDummyInputsBuilder
-
-DEFAULT_MM_LIMIT = 999
-"""Items per prompt allowed when neither the model nor the user sets a limit."""
-
-
-class BaseProcessingInfo:
-    """What a model's processing needs to know: config, tokenizer, HF processor, limits."""
-
-    def __init__(self, ctx: InputProcessingContext) -> None:
-        self.ctx = ctx
-
-    @property
-    def model_id(self) -> str:
-        return self.ctx.model_config.model
-
-    def get_tokenizer(self) -> Any:
-        return self.ctx.tokenizer
-
-    def get_hf_config(self) -> PretrainedConfig:
-        return self.ctx.get_hf_config()
-
-    def get_hf_processor(self, **kwargs: object) -> ProcessorMixin:
-        return self.ctx.get_hf_processor(**kwargs)
-
-    @abstractmethod
-    def get_supported_mm_limits(self) -> Mapping[str, Optional[int]]:
-        """Maximum items per prompt for each supported modality (None: no model limit)."""
-
-    def get_allowed_mm_limits(self) -> Mapping[str, int]:
-        """min(model limit, user limit) per supported modality."""
-        mm_config = self.ctx.model_config.multimodal_config
-        allowed = {}
-        for modality, supported in self.get_supported_mm_limits().items():
-            limits = [x for x in (supported, mm_config.get_limit_per_prompt(modality)) if x is not None]
-            allowed[modality] = min(limits) if limits else DEFAULT_MM_LIMIT
-        return allowed
-
-    def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts: Mapping[str, int]) -> Optional[Mapping[str, int]]:
-        """Maximum placeholder tokens per item, if known without processing dummy inputs."""
-        return None
-
 
 _I = TypeVar("_I", bound=BaseProcessingInfo)
 

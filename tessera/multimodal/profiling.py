@@ -5,15 +5,12 @@ from __future__ import annotations
 from abc import ABC
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from PIL import Image
 
 from .inputs import MultiModalDataDict
-from .processing import BaseProcessingInfo
-
-if TYPE_CHECKING:
-    from .processing import BaseMultiModalProcessor
+from .processing_info import BaseProcessingInfo
 
 _I = TypeVar("_I", bound=BaseProcessingInfo)
 
@@ -64,10 +61,19 @@ class BaseDummyInputsBuilder(ABC, Generic[_I]):
         return [image] * num_images
 
 
+class ProfiledProcessor(Protocol[_I]):
+    """What the profiler uses of a `BaseMultiModalProcessor`."""
+
+    info: _I
+    dummy_inputs: BaseDummyInputsBuilder[_I]
+
+    def apply(self, prompt: Any, mm_data: Any, hf_processor_mm_kwargs: Any) -> Any: ...
+
+
 class MultiModalProfiler(Generic[_I]):
     """Measures what the worst-case items cost, by processing the dummy inputs."""
 
-    def __init__(self, processor: "BaseMultiModalProcessor[_I]") -> None:
+    def __init__(self, processor: ProfiledProcessor[_I]) -> None:
         self.processor = processor
 
     def get_mm_max_tokens_per_item(self, seq_len: int) -> Mapping[str, int]:

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tessera.config import ModelConfig, MultiModalConfig
 from tessera.models.factory import BuiltModel, build_model
-from tessera.multimodal.context import load_tokenizer
+from tessera.tokenizer_utils import load_tokenizer
 
 
 def test_a_multimodal_folder_gets_its_registered_processor(tiny_llava_dir):

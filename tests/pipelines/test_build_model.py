@@ -5,7 +5,7 @@ from __future__ import annotations
 from tessera.config import ModelConfig, MultiModalConfig
 from tessera.models.factory import build_model
 from tessera.models.pipeline_adapter import IMAGE_MARKER, PipelineForCausalLM, PipelineMultiModalProcessor
-from tessera.multimodal.context import load_tokenizer
+from tessera.tokenizer_utils import load_tokenizer
 
 
 def test_pipeline_mode_builds_the_text_model_under_the_pipeline(llava_parts):
