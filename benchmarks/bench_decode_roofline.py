@@ -40,7 +40,7 @@ def main() -> None:
     # Every weight is read once per token; the tied embedding once (as lm_head; the lookup reads a
     # row). Counted on the meta device: the engine keeps its linears packed, not dense.
     with torch.device("meta"):
-        lm = type(llm.engine.model)(llm.engine.model_config.hf_config).language_model
+        lm = type(llm.engine.core.model)(llm.engine.model_config.hf_config).language_model
     weight_bytes = (
         sum(p.numel() for p in lm.parameters()) * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     )

@@ -84,7 +84,7 @@ def bench_tensor_parallel(folder: Path, rounds: int) -> None:
     for round_ in range(rounds):
         for size, llm in engines.items():
             # torch's thread count is per process: rank 0 of TP=2 takes its share (cores / 2), TP=1 all cores
-            torch.set_num_threads(llm.engine.workers.num_threads if llm.engine.workers else os.cpu_count() or 1)
+            torch.set_num_threads(llm.engine.core.workers.num_threads if llm.engine.core.workers else os.cpu_count() or 1)
             ttft, decode = latency(llm, seed=10 * round_ + size)
             results[size]["ttft"].append(ttft)
             results[size]["decode"].append(decode)

@@ -44,7 +44,7 @@ def main() -> None:
     print(f"  cold (new image)              {c * 1e3:8.1f} ms")
     print(f"  warm (same image and prompt)  {w * 1e3:8.1f} ms   {c / w:5.1f}x faster  (goal >= 10x)")
     print(f"  same prompt, other image      {o * 1e3:8.1f} ms   (no sharing across images)")
-    print(f"prefix-cache hit rate {llm.engine.block_manager.prefix_hit_rate:.2f}")
+    print(f"prefix-cache hit rate {llm.engine.core.block_manager.prefix_hit_rate:.2f}")
 
 
 if __name__ == "__main__":

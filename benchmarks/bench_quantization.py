@@ -73,7 +73,7 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in runs.items()}
     print(f"batch-1 decode, {args.tokens} tokens, {torch.get_num_threads()} threads, median of {args.rounds}:")
     for name, llm in llms.items():
-        mib = linear_weight_bytes(llm.engine.model) / 2**20
+        mib = linear_weight_bytes(llm.engine.core.model) / 2**20
         values = " ".join(f"{v:.1f}" for v in runs[name])
         print(f"  {name:22s} {medians[name]:7.1f} tokens/s  (runs {values})  linear weights {mib:6.1f} MiB")
     pairs = [(f"{q} ({a} act.)", a) for q in ("int8", "int4") for a in ("bfloat16", "float32")]

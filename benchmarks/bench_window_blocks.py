@@ -46,7 +46,7 @@ def workload(vocab_size: int) -> list[dict]:
 def run(llm: LLM, prompts: list[dict]) -> tuple[float, int, int, float]:
     """(output tokens/s, preemptions, peak and mean running sequences) of one pass over the workload."""
     engine = llm.engine
-    engine.scheduler.reset()
+    engine.core.scheduler.reset()
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -54,14 +54,14 @@ def run(llm: LLM, prompts: list[dict]) -> tuple[float, int, int, float]:
     peak, tokens, running = 0, 0, []
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        running.append(len(engine.scheduler.running) + sum(o.finished for o in outputs))  # those the step ran
+        running.append(len(engine.core.scheduler.running) + sum(o.finished for o in outputs))  # those the step ran
         for output in outputs:
             if output.finished:
                 tokens += len(output.outputs[0].token_ids)
         peak = max(peak, running[-1])
     elapsed = time.perf_counter() - start
     assert tokens == NUM_REQUESTS * OUTPUT_TOKENS
-    return tokens / elapsed, engine.scheduler.num_preemptions, peak, statistics.mean(running)
+    return tokens / elapsed, engine.core.scheduler.num_preemptions, peak, statistics.mean(running)
 
 
 def main() -> None:
@@ -75,7 +75,7 @@ def main() -> None:
     prompts = workload(llms[True].engine.model_config.hf_config.vocab_size)
     full = sum(len(p["prompt_token_ids"]) + OUTPUT_TOKENS for p in prompts)
     print(f"{NUM_REQUESTS} requests, ~{PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, window {WINDOW}; "
-          f"KV cache {llms[True].engine.num_blocks * BLOCK_SIZE} tokens for {full} of full contexts")  # fmt: skip
+          f"KV cache {llms[True].engine.core.num_blocks * BLOCK_SIZE} tokens for {full} of full contexts")  # fmt: skip
     results: dict[bool, list[tuple[float, int, int, float]]] = {True: [], False: []}
     for _ in range(args.repeats):
         for free, llm in llms.items():

@@ -62,7 +62,7 @@ def main() -> None:
     llm = LLM(str(bench_model()), kv_cache_memory="1GiB", dtype=args.dtype, quantization=args.quantization)
     engine = llm.engine
     totals: dict[str, float] = defaultdict(float)
-    hook_times(engine.model, totals)
+    hook_times(engine.core.model, totals)
     sample = model_runner.sample
 
     def timed(function, part: str):
@@ -76,7 +76,7 @@ def main() -> None:
         return wrapper
 
     # the decoder and the lm_head (compute_logits): the modules of PARTS run inside one or the other
-    model = engine.model
+    model = engine.core.model
     model.forward, model.compute_logits = timed(model.forward, "forward"), timed(model.compute_logits, "forward")
     model_runner.sample = timed(sample, "sampler")
     native_call = NativeDecodeLayer.__call__

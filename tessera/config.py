@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -281,3 +281,27 @@ class ParallelConfig:
             choices = ", ".join(DISTRIBUTED_EXECUTOR_BACKENDS)
             raise ValueError(f"Unsupported distributed_executor_backend {backend!r}; use one of {choices}")
         self.distributed_executor_backend = backend or "mp"
+
+
+def engine_configs(model: str, **options: Any) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
+    """The configurations of an engine for a model folder (or GGUF file); options are fields of ModelConfig,
+    CacheConfig, SchedulerConfig, ParallelConfig and MultiModalConfig (limit_mm_per_prompt is
+    MultiModalConfig.limit_per_prompt). An unknown option raises ValueError."""
+    configs = (ModelConfig, CacheConfig, SchedulerConfig, MultiModalConfig, ParallelConfig)
+    groups: dict[type, dict[str, Any]] = {c: {} for c in configs}
+    renames = {"limit_mm_per_prompt": "limit_per_prompt"}
+    settable = {c: {f.name for f in fields(c) if f.init} for c in configs}  # not hf_config, gguf_file
+    for name, value in options.items():
+        name = renames.get(name, name)
+        owner = next((c for c in groups if name in settable[c]), None)
+        if owner is None:
+            raise ValueError(f"Unknown LLM option {name!r}")
+        groups[owner][name] = value
+    mm_config = MultiModalConfig(**groups[MultiModalConfig])
+    model_config = ModelConfig(model, multimodal_config=mm_config, **groups[ModelConfig])
+    return (
+        model_config,
+        CacheConfig(**groups[CacheConfig]),
+        SchedulerConfig(**groups[SchedulerConfig]),
+        ParallelConfig(**groups[ParallelConfig]),
+    )

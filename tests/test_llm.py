@@ -419,7 +419,7 @@ def test_stopping_a_stream_early_aborts_its_request(llm):
     next(stream)
     stream.close()
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.core.block_manager.num_free_blocks == llm.engine.core.num_blocks
 
 
 def test_a_model_without_a_chat_template_renders_the_last_message_plainly(tiny_fuyu_dir):

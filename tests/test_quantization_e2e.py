@@ -23,7 +23,7 @@ def make(folder, **options):
 
 
 def linears(llm):
-    return {n: m for n, m in llm.engine.model.language_model.named_modules() if isinstance(m, Linear)}
+    return {n: m for n, m in llm.engine.core.model.language_model.named_modules() if isinstance(m, Linear)}
 
 
 def dequantized_and_step(layer: Linear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,9 +53,9 @@ def test_only_the_language_model_is_quantized(dense, quantized):
     layers = linears(quantized)
     assert layers and all(m.qweight is not None and m.quantization == method for m in layers.values())
     assert "lm_head" in layers  # tied or not, lm_head is quantized
-    embedding = quantized.engine.model.language_model.model.embed_tokens.weight
+    embedding = quantized.engine.core.model.language_model.model.embed_tokens.weight
     assert all(m.weight.numel() == 0 or m.weight is embedding for m in layers.values())  # float weights dropped
-    model = quantized.engine.model
+    model = quantized.engine.core.model
     for part in model.multimodal_parts.values():
         assert all(not isinstance(m, Linear) or m.qweight is None for m in getattr(model, part).modules())
     assert all(m.qweight is None for m in linears(dense).values())
@@ -66,7 +66,7 @@ def test_linear_weight_bytes(dense, quantized):
     float32 scale and zero per group (3/16), every in_features here being a multiple of 32, of out_features
     padded to 16k for the native kernels and torch's int4 op (lm_head: 514 -> 528)."""
     with torch.device("meta"):  # the float model's linears are packed: count their shapes
-        meta = type(dense.engine.model)(dense.engine.model_config.hf_config).language_model
+        meta = type(dense.engine.core.model)(dense.engine.model_config.hf_config).language_model
     fp32 = sum(m.weight.numel() * 4 for m in meta.modules() if isinstance(m, Linear))
     layers = linears(quantized).values()
     kept = sum(

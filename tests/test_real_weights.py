@@ -94,7 +94,7 @@ def test_tokenizer_and_config_follow_the_file(llm):
     config = llm.engine.model_config
     assert config.architectures == ["LlamaForCausalLM"] and config.hf_config.tie_word_embeddings
     assert (config.hf_config.eos_token_id, config.hf_config.pad_token_id) == (2, 2)
-    assert llm.engine.eos_token_ids == {2}
+    assert llm.engine.core.eos_token_ids == {2}
 
 
 def test_llm_chat_gives_hf_greedy_text(llm, reference):

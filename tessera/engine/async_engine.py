@@ -91,28 +91,6 @@ class RequestStream:
             self.engine.submit(self.engine._abort, self.request_id)
 
 
-def engine_stats(engine: LLMEngine) -> dict[str, int]:
-    """A snapshot of an engine's scheduler and cache counters, plain numbers (summable over replicas):
-    sequences running / waiting, KV blocks used / total, prefix-cache queries / hits (tokens),
-    encoder-cache and processor-cache queries / hits (items), preemptions."""
-    blocks, scheduler, encoder = engine.block_manager, engine.scheduler, engine.encoder_cache
-    processor_cache = getattr(engine.processor, "cache", None)
-    processor = processor_cache.stats if processor_cache is not None else None
-    return {
-        "running": len(scheduler.running),
-        "waiting": len(scheduler.waiting),
-        "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
-        "kv_blocks_total": blocks.num_blocks,
-        "prefix_cache_queries": blocks.prefix_queries,
-        "prefix_cache_hits": blocks.prefix_hits,
-        "encoder_cache_queries": encoder.queries,
-        "encoder_cache_hits": encoder.hits,
-        "processor_cache_queries": processor.queries if processor is not None else 0,
-        "processor_cache_hits": processor.hits if processor is not None else 0,
-        "num_preemptions": getattr(scheduler, "num_preemptions", 0),
-    }
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, preprocess_workers: int = 2) -> None:
         self.engine = engine
@@ -124,8 +102,8 @@ class AsyncEngine:
         self.on_dead: list[Callable[[BaseException], None]] = []
         self._preprocess = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="tessera-preprocess")
         self._worker_death: Optional[BaseException] = None
-        if engine.workers is not None:  # a tensor-parallel worker dying stops the engine, even while idle
-            engine.workers.on_death.append(self._worker_died)
+        if engine.core.workers is not None:  # a tensor-parallel worker dying stops the engine, even while idle
+            engine.core.workers.on_death.append(self._worker_died)
         self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
         self._thread.start()
 
@@ -153,8 +131,8 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def stats(self) -> dict[str, int]:
-        """The engine's counters now (`engine_stats`), read live."""
-        return engine_stats(self.engine)
+        """The engine's counters now (`EngineCore.stats`), read live."""
+        return self.engine.stats()
 
     # ---- called from coroutines ------------------------------------------------------------------
 

@@ -9,32 +9,15 @@ stepping; the engine only queues what it returns (as vLLM's input processor feed
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from ..config import ModelConfig
 from ..errors import InputError
 from ..multimodal.inline_images import inline_images_to_prompt
 from ..sampling_params import SamplingParams
+from .core_io import EngineLimits
 from .chat_utils import ContentFormat, ImageLoader, Message, Placeholder, VideoLoader, render_chat, render_plain
 from .prompt import PromptInputs, PromptType, longest_token_chars, process_prompt
-
-
-_SMALLER_SETTINGS = " (or processor settings that make it smaller, e.g. a lower max_pixels in mm_processor_kwargs)"
-
-
-def _an(noun: str) -> str:
-    return ("An " if noun[:1] in "aeiou" else "A ") + noun
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """What one request may use of the engine."""
-
-    max_model_len: int
-    encoder_rows: int  # the most encoder rows one item may need (encoder budget and cache)
-    kv_tokens: int  # tokens the whole KV cache holds
-    whole_item_tokens: Optional[int] = None  # items are never split across chunks: the step's token budget
 
 
 class InputPreprocessor:
@@ -71,7 +54,7 @@ class InputPreprocessor:
         inputs = (
             prompt if isinstance(prompt, PromptInputs) else process_prompt(self, prompt, params.truncate_prompt_tokens)
         )
-        self._check_fits(inputs, params)
+        self.limits.check(inputs.token_ids, inputs.mm_items, params.max_tokens)
         return inputs
 
     def render_chat(
@@ -123,33 +106,3 @@ class InputPreprocessor:
         """The prompt dict for text with inline `<img src=...>` tags (the model's placeholders in
         their place, the images loaded in order)."""
         return inline_images_to_prompt(text, self.placeholder, load_image)
-
-    def _check_fits(self, inputs: PromptInputs, params: SamplingParams) -> None:
-        limits, num_tokens = self.limits, len(inputs.token_ids)
-        if num_tokens >= limits.max_model_len:
-            raise InputError(
-                f"The prompt has {num_tokens} tokens but the model's context is {limits.max_model_len}; "
-                "shorten it or set truncate_prompt_tokens."
-            )
-        if num_tokens == 0:
-            raise InputError("The prompt is empty.")
-        for item in inputs.mm_items:
-            if item.num_embeds > limits.encoder_rows:
-                raise InputError(
-                    f"{_an(item.modality)} needs {item.num_embeds} encoder rows but the encoder budget is "
-                    f"{limits.encoder_rows} ({item.num_embeds - limits.encoder_rows} over); raise "
-                    f"max_num_encoder_input_tokens / encoder_cache_size or send a smaller item{_SMALLER_SETTINGS}."
-                )
-            if limits.whole_item_tokens is not None and item.end - item.start > limits.whole_item_tokens:
-                raise InputError(
-                    f"{_an(item.modality)} takes {item.end - item.start} prompt tokens, which this model prefills in "
-                    f"one step, but a step holds {limits.whole_item_tokens} "
-                    f"({item.end - item.start - limits.whole_item_tokens} over); raise max_num_batched_tokens or "
-                    f"send a smaller item{_SMALLER_SETTINGS}."
-                )
-        needed = min(num_tokens + (params.max_tokens or limits.max_model_len), limits.max_model_len)
-        if needed > limits.kv_tokens:
-            raise InputError(
-                f"This request may need {needed} tokens of KV cache but it holds {limits.kv_tokens}; "
-                "raise kv_cache_memory or lower max_tokens."
-            )

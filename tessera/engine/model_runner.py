@@ -55,6 +55,9 @@ class ModelRunner:
         """`workers`: the other tensor-parallel ranks (this runner is rank 0), None with one rank."""
         self.model, self.block_size, self.device, self.workers = model, block_size, device, workers
         self.uses_mrope = supports_mrope(model)
+        # M-RoPE models: each request's prompt positions [3, P] and decode delta, computed on its first
+        # step and kept (through preemption and recomputation) until the scheduler says it ended
+        self.mrope_positions: dict[str, tuple[torch.Tensor, int]] = {}
         self.is_mm_prefix_lm = bool(getattr(model, "is_mm_prefix_lm", False))
         if workers is not None:  # the workers allocate the same cache over their heads
             workers.start_model(num_blocks, block_size, dtype)
@@ -66,6 +69,8 @@ class ModelRunner:
     ) -> dict[str, tuple[int, Optional[dict[int, float]]]]:
         """Run the step; returns request id -> (sampled token, logprobs) for the requests whose
         computed tokens reach their end (chunks in the middle of a prompt sample nothing)."""
+        for request_id in out.finished_ids:
+            self.mrope_positions.pop(request_id, None)
         self._encode(out, encoder_cache)
         inputs, sampling = self._prepare(out, block_manager, encoder_cache)
         if self.workers is None:
@@ -125,14 +130,16 @@ class ModelRunner:
         the model, computed on the request's first step; generated tokens 1-D after the delta)."""
         if not self.uses_mrope:
             return torch.arange(start, end)
-        if request.mrope_positions is None:
-            request.mrope_positions, request.mrope_position_delta = self.model.get_mrope_input_positions(
+        cached = self.mrope_positions.get(request.request_id)
+        if cached is None:
+            cached = self.mrope_positions[request.request_id] = self.model.get_mrope_input_positions(
                 request.prompt_token_ids, request.mm_items
             )
+        prompt_positions, delta = cached
         prompt_len = request.num_prompt_tokens
-        parts = [request.mrope_positions[:, start : min(end, prompt_len)]]
+        parts = [prompt_positions[:, start : min(end, prompt_len)]]
         if end > prompt_len:
-            parts.append(decode_positions(max(start, prompt_len), end, request.mrope_position_delta))
+            parts.append(decode_positions(max(start, prompt_len), end, delta))
         return torch.cat(parts, dim=1)
 
     def _encode(self, out: SchedulerOutput, encoder_cache: EncoderCache) -> None:

@@ -3,7 +3,7 @@
 The child (`engine/replica_process.py`) builds `LLMEngine.from_options(model, **engine_options)`, wraps it
 in an `AsyncEngine` and serves commands read from a `multiprocessing` Pipe: add a request and stream its
 `RequestOutput`s back, abort one, process a prompt (for /tokenize), render a chat's text, and push a small
-stats snapshot (`engine_stats`: plain numbers) at most every `STATS_INTERVAL` seconds when it changed, and
+stats snapshot (`EngineCore.stats`: plain numbers) at most every `STATS_INTERVAL` seconds when it changed, and
 at once when the replica goes idle. Messages are pickled tuples (`send_bytes(pickle.dumps(...))` under a
 lock, so threads never interleave them).
 

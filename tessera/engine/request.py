@@ -115,10 +115,6 @@ class Request:
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
-        # M-RoPE models: the prompt's [3, P] positions and the decode delta, computed once (the
-        # model runner does, on first schedule) and kept through preemption and recomputation.
-        self.mrope_positions: Optional[torch.Tensor] = None
-        self.mrope_position_delta = 0
         self.generator: Optional[torch.Generator] = None
         # structured outputs: this sequence's grammar matcher (a StructuredOutputRequest), set when
         # the engine adds the request; it masks the sampled tokens and ends the output when complete

@@ -48,6 +48,9 @@ class SchedulerOutput:
     encoder_users: dict[str, set[str]] = field(default_factory=dict)
     """Item hash -> ids of the requests that need the encoder output computed this step."""
 
+    finished_ids: set[str] = field(default_factory=set)
+    """Requests that ended since the last step: the runner drops what it keeps for them."""
+
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
@@ -76,6 +79,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._rows: dict[str, int] = {}  # embedding rows of items being encoded
+        self._finished_ids: set[str] = set()  # ended since the last schedule (SchedulerOutput.finished_ids)
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -127,7 +131,8 @@ class Scheduler:
         now = time.monotonic()  # queue time ends here, before the step runs (vLLM's scheduled timestamp)
         for step in scheduled:
             step.request.metrics.first_scheduled_time = step.request.metrics.first_scheduled_time or now
-        return SchedulerOutput(scheduled, encoding)
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(scheduled, encoding, finished)
 
     def _plan(
         self, request: Request, start: int, num_new: int, encoding: dict[str, set[str]]
@@ -250,6 +255,7 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request and free what it holds."""
         request.status = status
+        self._finished_ids.add(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -90,6 +90,6 @@ def assert_chunk_boundary_inside_an_item(llm: Any, request: dict, modality: str,
 def assert_engine_case_happened(llm: Any, case: str, prefix_hits_before: int) -> None:
     """The case did what it is for: "prefix-caching" hit cached blocks, "preemption" preempted."""
     if case == "prefix-caching":
-        assert llm.engine.block_manager.prefix_hits > prefix_hits_before
+        assert llm.engine.core.block_manager.prefix_hits > prefix_hits_before
     if case == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0

@@ -65,11 +65,11 @@ def test_a_reader_that_stops_early_aborts_its_request(engine):
             async for _ in outputs:
                 break  # the reader goes away after the first output
         return await engine.call(
-            lambda: (engine.engine.has_unfinished_requests(), engine.engine.block_manager.num_free_blocks)
+            lambda: (engine.engine.has_unfinished_requests(), engine.engine.core.block_manager.num_free_blocks)
         )
 
     busy, free = asyncio.run(run())
-    assert not busy and free == engine.engine.num_blocks
+    assert not busy and free == engine.engine.core.num_blocks
 
 
 def test_abort_all_ends_every_stream_with_a_503_and_the_engine_serves_on(engine):
@@ -88,14 +88,14 @@ def test_abort_all_ends_every_stream_with_a_503_and_the_engine_serves_on(engine)
         after = await engine.add_request("after", prompts()[2], SamplingParams(max_tokens=3, ignore_eos=True))
         outputs = [o async for o in after]
         idle = await engine.call(
-            lambda: (engine.engine.has_unfinished_requests(), engine.engine.block_manager.num_free_blocks)
+            lambda: (engine.engine.has_unfinished_requests(), engine.engine.core.block_manager.num_free_blocks)
         )
         return first, statuses, outputs, idle
 
     first, statuses, outputs, (busy, free) = asyncio.run(run())
     assert not any(o.finished for o in first) and statuses == [503, 503]
     assert len(outputs[-1].outputs[0].token_ids) == 3
-    assert not busy and free == engine.engine.num_blocks
+    assert not busy and free == engine.engine.core.num_blocks
 
 
 def test_a_request_whose_event_loop_closed_is_dropped_and_the_engine_lives_on(engine):
@@ -108,18 +108,18 @@ def test_a_request_whose_event_loop_closed_is_dropped_and_the_engine_lives_on(en
         stream = await engine.add_request("after", prompts()[3], SamplingParams(max_tokens=4, ignore_eos=True))
         outputs = [o async for o in stream]
         state = await engine.call(
-            lambda: (engine.engine.has_unfinished_requests(), engine.engine.block_manager.num_free_blocks)
+            lambda: (engine.engine.has_unfinished_requests(), engine.engine.core.block_manager.num_free_blocks)
         )
         return outputs[-1], state
 
     last, (busy, free) = asyncio.run(normal_request())
     assert engine.is_alive and len(last.outputs[0].token_ids) == 4
-    assert not busy and free == engine.engine.num_blocks
+    assert not busy and free == engine.engine.core.num_blocks
 
 
 def test_a_model_failure_fails_its_request_and_the_engine_serves_on(engine, monkeypatch):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    execute = engine.engine.runner.execute
+    execute = engine.engine.core.runner.execute
     failing = {"yes": True}
 
     def fail_first(*args):
@@ -127,7 +127,7 @@ def test_a_model_failure_fails_its_request_and_the_engine_serves_on(engine, monk
             raise RuntimeError("injected")
         return execute(*args)
 
-    monkeypatch.setattr(engine.engine.runner, "execute", fail_first)
+    monkeypatch.setattr(engine.engine.core.runner, "execute", fail_first)
 
     async def run():
         stream = await engine.add_request("doomed", prompts()[0], params)
@@ -151,7 +151,7 @@ def test_a_dead_engine_fails_every_stream_and_says_so(tiny_llava_dir, monkeypatc
         raise RuntimeError("scheduler bug")
 
     async def run():
-        monkeypatch.setattr(dead.engine.scheduler, "schedule", broken)
+        monkeypatch.setattr(dead.engine.core.scheduler, "schedule", broken)
         stream = await dead.add_request("r", prompts()[0], SamplingParams(max_tokens=4))
         with pytest.raises(EngineDeadError):
             [o async for o in stream]

@@ -79,7 +79,7 @@ def test_llava_batched_outputs_equal_each_alone(tiny_llava_dir, llava_reference,
     llm = make_llm(tiny_llava_dir, **options)
     assert tokens(llm.generate(llava_requests(), GREEDY, use_tqdm=False)) == llava_reference
     if "kv_cache_memory" in options:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
     assert_all_free(llm)
 
 
@@ -105,10 +105,10 @@ def test_fuyu_matches_hf_and_batching(tiny_fuyu_dir):
 
 def assert_all_free(llm):
     engine = llm.engine
-    assert engine.block_manager.num_free_blocks == engine.num_blocks
-    assert all(count == 0 for count in engine.block_manager.ref_counts)
-    assert engine.encoder_cache.num_referenced == 0
-    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.core.block_manager.num_free_blocks == engine.core.num_blocks
+    assert all(count == 0 for count in engine.core.block_manager.ref_counts)
+    assert engine.core.encoder_cache.num_referenced == 0
+    assert not engine.core.scheduler.running and not engine.core.scheduler.waiting
 
 
 # ---- prefix caching and the encoder cache --------------------------------------------------------
@@ -120,9 +120,9 @@ def request_blocks(llm, request):
     engine = llm.engine
     engine.add_request("probe", request, SamplingParams(max_tokens=2, temperature=0.0))
     while engine.has_unfinished_requests():
-        running = engine.scheduler.running
+        running = engine.core.scheduler.running
         if running:
-            seen = list(engine.block_manager.blocks_of(running[0]))
+            seen = list(engine.core.block_manager.blocks_of(running[0]))
         engine.step()
     return seen
 
@@ -131,7 +131,7 @@ def test_same_tokens_with_different_images_share_no_blocks(tiny_llava_dir):
     llm = make_llm(tiny_llava_dir)
     prompt = "USER: <image>\nWhat colour is the circle in this picture? ASSISTANT:"
     first = request_blocks(llm, {"prompt": prompt, "multi_modal_data": {"image": random_images([(40, 40)], seed=1)}})
-    hits_before = llm.engine.block_manager.prefix_hits
+    hits_before = llm.engine.core.block_manager.prefix_hits
     second = request_blocks(llm, {"prompt": prompt, "multi_modal_data": {"image": random_images([(40, 40)], seed=2)}})
     # Only the blocks before the image (same tokens, no image in them) may be shared.
     image_start = llm.engine.processor.apply(prompt, {"image": random_images([(40, 40)])})["mm_placeholders"]["image"][
@@ -139,7 +139,7 @@ def test_same_tokens_with_different_images_share_no_blocks(tiny_llava_dir):
     ].offset
     shared = set(first) & set(second)
     assert shared <= set(first[: image_start // 4])
-    assert llm.engine.block_manager.prefix_hits - hits_before == len(shared) * 4
+    assert llm.engine.core.block_manager.prefix_hits - hits_before == len(shared) * 4
 
 
 def test_repeated_image_and_prompt_reuses_blocks_and_skips_the_encoder(tiny_llava_dir):
@@ -149,14 +149,14 @@ def test_repeated_image_and_prompt_reuses_blocks_and_skips_the_encoder(tiny_llav
         "multi_modal_data": {"image": random_images([(40, 40)])},
     }
     first = request_blocks(llm, request)
-    encoded = llm.engine.encoder_cache.num_encoded
+    encoded = llm.engine.core.encoder_cache.num_encoded
     second = request_blocks(llm, request)
     num_prompt_tokens = len(
         llm.engine.processor.apply(request["prompt"], request["multi_modal_data"])["prompt_token_ids"]
     )
     full_blocks = (num_prompt_tokens - 1) // 4
     assert second[:full_blocks] == first[:full_blocks]
-    assert llm.engine.encoder_cache.num_encoded == encoded  # the image was not encoded again
+    assert llm.engine.core.encoder_cache.num_encoded == encoded  # the image was not encoded again
 
 
 def test_a_configuration_whose_encoder_cannot_hold_one_image_fails_at_start(tiny_llava_dir):
@@ -188,7 +188,7 @@ def _run(engine):
 def test_a_model_failure_fails_the_requests_of_that_step_and_the_engine_keeps_serving(tiny_llava_dir, llava_reference):
     llm = make_llm(tiny_llava_dir)
     engine = llm.engine
-    execute, calls = engine.runner.execute, []
+    execute, calls = engine.core.runner.execute, []
 
     def failing_third_step(*args):
         calls.append(1)
@@ -196,7 +196,7 @@ def test_a_model_failure_fails_the_requests_of_that_step_and_the_engine_keeps_se
             raise RuntimeError("injected fault")
         return execute(*args)
 
-    engine.runner.execute = failing_third_step
+    engine.core.runner.execute = failing_third_step
     requests = llava_requests(3)
     engine.add_request("a", requests[0], GREEDY)
     engine.add_request("b", requests[1], GREEDY)
@@ -206,9 +206,9 @@ def test_a_model_failure_fails_the_requests_of_that_step_and_the_engine_keeps_se
         assert output.error and "RuntimeError" in output.error
         assert [o.finish_reason for o in output.outputs] == ["error"]
         assert len(output.outputs[0].token_ids) < GREEDY.max_tokens  # stopped early
-    assert engine.block_manager.num_free_blocks == engine.num_blocks
-    assert not engine.output_processor.requests and not engine.output_processor.detokenizers
-    assert engine.encoder_cache.num_referenced == 0
+    assert engine.core.block_manager.num_free_blocks == engine.core.num_blocks
+    assert not engine.output_processor.requests and not engine.output_processor.sequences
+    assert engine.core.encoder_cache.num_referenced == 0
     # the engine goes on: a new request gets what it gets alone
     assert tokens(llm.generate([requests[2]], GREEDY, use_tqdm=False)) == [llava_reference[2]]
 
@@ -223,11 +223,11 @@ def test_a_failure_updating_one_request_fails_only_that_one(tiny_llava_dir, llav
     def broken(token):
         raise UnicodeError("injected")
 
-    monkeypatch.setattr(engine.output_processor.detokenizers["bad#1"], "add", broken)
+    monkeypatch.setattr(engine.output_processor.sequences["bad#1"][1].detokenizer, "add", broken)
     finished = _run(engine)
     assert finished["ok"].error is None and tokens([finished["ok"]]) == [llava_reference[0]]
     assert finished["bad"].error and {o.finish_reason for o in finished["bad"].outputs} == {"error"}
-    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert engine.core.block_manager.num_free_blocks == engine.core.num_blocks
 
 
 def test_an_item_the_encoder_cannot_take_fails_only_its_request(tiny_llava_dir, llava_reference):
@@ -259,7 +259,7 @@ def test_prefix_caching_keys_a_named_image_on_its_id(tiny_llava_dir):
     text = "USER: <image>\n" + "Describe the image in detail, please. " * 3 + "ASSISTANT:"
 
     def reused_tokens(image, uuids):
-        blocks = llm.engine.block_manager
+        blocks = llm.engine.core.block_manager
         before = blocks.prefix_hits
         prompt = {"prompt": text, "multi_modal_data": {"image": image}}
         if uuids is not None:
@@ -278,8 +278,8 @@ def test_prefix_caching_keys_a_named_image_on_its_id(tiny_llava_dir):
 
 def test_the_profile_run_leaves_nothing_behind_and_rebuilds_nothing(tiny_llava_dir):
     engine = make_llm(tiny_llava_dir).engine
-    assert engine.scheduler.block_manager is engine.block_manager
-    assert engine.scheduler.encoder_cache is engine.encoder_cache
-    assert not engine.block_manager.cached_blocks and engine.block_manager.num_free_blocks == engine.num_blocks
-    assert not engine.encoder_cache.entries and engine.encoder_cache.num_encoded == 0
+    assert engine.core.scheduler.block_manager is engine.core.block_manager
+    assert engine.core.scheduler.encoder_cache is engine.core.encoder_cache
+    assert not engine.core.block_manager.cached_blocks and engine.core.block_manager.num_free_blocks == engine.core.num_blocks
+    assert not engine.core.encoder_cache.entries and engine.core.encoder_cache.num_encoded == 0
     assert not engine.output_processor.requests and not engine.has_unfinished_requests()

@@ -132,7 +132,10 @@ def test_positions_equal_hf_whole_and_chunked_through_images():
     chunks = [(s, e) for s, e, _ in engine.ran["a"]]
     assert any(s < 3 + 6 < e or 3 < s < 9 for s, e in chunks)  # a chunk boundary inside the first image
     assert_positions_match_hf(engine, req)
-    assert req.mrope_position_delta == expected_positions(LAYOUT, GRIDS, 25)[:, :25].max() + 1 - 25
+    _, delta = engine.runner.mrope_positions["a"]  # kept until the runner hears that "a" ended
+    assert delta == expected_positions(LAYOUT, GRIDS, 25)[:, :25].max() + 1 - 25
+    engine.run(request("b", [(TEXT, 4)], [], max_tokens=1))  # the next step drops "a"'s positions
+    assert "a" not in engine.runner.mrope_positions
 
 
 def test_positions_equal_hf_batched_with_prefix_hits_and_preemption():
@@ -162,7 +165,7 @@ def test_a_model_without_mrope_gets_1d_positions():
     engine.run(req)
     for start, end, positions in engine.ran["a"]:
         assert torch.equal(positions, torch.arange(start, end))
-    assert req.mrope_positions is None
+    assert engine.runner.mrope_positions == {}
 
 
 def test_prefix_lm_items_are_spans_and_never_split():

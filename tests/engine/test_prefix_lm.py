@@ -68,9 +68,9 @@ def test_image_tokens_attend_both_ways(tiny_llava_dir, reference):
 def test_chunking_batching_and_preemption_do_not_change_the_answer(prefix_lm_dir, reference, options):
     llm = make_llm(prefix_lm_dir, **options)
     assert tokens(llm, PROMPTS) == reference
-    assert llm.engine.scheduler_config.disable_chunked_mm_input
+    assert llm.engine.core.scheduler_config.disable_chunked_mm_input
     if "kv_cache_memory" in options:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_a_prefix_cache_hit_ending_inside_an_image_gives_the_same_answer(prefix_lm_dir, reference):
@@ -81,9 +81,9 @@ def test_a_prefix_cache_hit_ending_inside_an_image_gives_the_same_answer(prefix_
     fresh = tokens(make_llm(prefix_lm_dir, block_size=8), [other])
     llm = make_llm(prefix_lm_dir, block_size=8)
     assert tokens(llm, PROMPTS[:1]) == reference[:1]
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     assert tokens(llm, [other]) == fresh
-    assert llm.engine.block_manager.prefix_hits == hits + 16  # tokens: the hit ends inside the image
+    assert llm.engine.core.block_manager.prefix_hits == hits + 16  # tokens: the hit ends inside the image
 
 
 def test_a_step_budget_below_one_image_is_refused_at_start(prefix_lm_dir):

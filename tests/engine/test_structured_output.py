@@ -131,7 +131,7 @@ def test_an_invalid_constraint_is_an_input_error_at_admission(llm, constraint, m
 
 def test_the_grammar_cache_is_bounded_and_hits_repeats(llm):
     engine = llm.engine
-    manager = StructuredOutputManager(engine.tokenizer, 380, engine.eos_token_ids, cache_size=2)
+    manager = StructuredOutputManager(engine.tokenizer, 380, engine.core.eos_token_ids, cache_size=2)
     a, b, c = (StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+"))
     first = manager.compile(a)
     assert manager.compile(StructuredOutputsParams(regex="a+")) is first and manager.num_compiled == 1
@@ -167,7 +167,7 @@ def test_preempted_constrained_requests_keep_their_grammar_state(llm):
     roomy = [o.outputs[0].text for o in llm.generate([PROMPT] * 4, params, use_tqdm=False)]
     small = LLM(str(TINY_DEMO_MODEL), device="cpu", kv_cache_memory="256KiB", block_size=4)
     outputs = small.generate([PROMPT] * 4, params, use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].text for o in outputs] == roomy
     for text in roomy:
         check_schema(json.loads(text))

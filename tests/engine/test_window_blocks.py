@@ -55,9 +55,9 @@ def run(llm, prompts):
     held. With a window, checks that a decoding sequence never holds more blocks than its window
     needs: once its step is scheduled (its block allocated; also at admission with a cached prefix,
     whose blocks before the window go back at once), and after each step."""
-    engine, manager = llm.engine, llm.engine.block_manager
-    bound = -(-(engine.kv_window + BS) // BS) + 1 if engine.kv_window is not None else None
-    schedule = engine.scheduler.schedule
+    engine, manager = llm.engine, llm.engine.core.block_manager
+    bound = -(-(engine.core.kv_window + BS) // BS) + 1 if engine.core.kv_window is not None else None
+    schedule = engine.core.scheduler.schedule
 
     def checked_schedule():
         out = schedule()
@@ -70,27 +70,27 @@ def run(llm, prompts):
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, GREEDY)
     outputs, most = {}, 0
-    engine.scheduler.schedule = checked_schedule
+    engine.core.scheduler.schedule = checked_schedule
     try:
         while engine.has_unfinished_requests():
             for output in engine.step():
                 outputs[output.request_id] = output
-            for request in engine.scheduler.running:
+            for request in engine.core.scheduler.running:
                 held = len(manager.live_blocks_of(request))
                 most = max(most, held)
                 if bound is not None and request.output_token_ids:
                     assert held <= bound, (request.request_id, request.num_computed_tokens, held)
     finally:
-        del engine.scheduler.schedule
-    assert manager.num_free_blocks == engine.num_blocks
+        del engine.core.scheduler.schedule
+    assert manager.num_free_blocks == engine.core.num_blocks
     assert all(count == 0 for count in manager.ref_counts)
     return [outputs[str(i)].outputs[0].token_ids for i in range(len(prompts))], most
 
 
 def test_the_model_kv_window_is_its_largest_window_only_if_every_layer_has_one(mistral):
     folder, _, window = mistral
-    assert LLM(str(folder), kv_cache_memory="1MiB").engine.kv_window == window
-    assert LLM(str(folder), kv_cache_memory="1MiB", free_out_of_window_blocks=False).engine.kv_window is None
+    assert LLM(str(folder), kv_cache_memory="1MiB").engine.core.kv_window == window
+    assert LLM(str(folder), kv_cache_memory="1MiB", free_out_of_window_blocks=False).engine.core.kv_window is None
 
 
 @pytest.mark.parametrize(
@@ -111,16 +111,16 @@ def test_greedy_matches_hf_alone_and_batched_with_blocks_released(mistral, optio
         assert run(llm, [prompt])[0] == [expected]
     assert run(llm, PROMPTS)[0] == hf_tokens
     if "kv_cache_memory" in options:
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_prefix_caching_reuses_released_blocks(mistral):
     folder, hf_tokens, _ = mistral
     llm = LLM(str(folder), kv_cache_memory="1MiB", block_size=BS)
     assert run(llm, [PROMPTS[0]])[0] == [hf_tokens[0]]
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     assert run(llm, [PROMPTS[0]])[0] == [hf_tokens[0]]  # its prompt's blocks were released, still cached
-    assert llm.engine.block_manager.prefix_hits > hits
+    assert llm.engine.core.block_manager.prefix_hits > hits
 
 
 def test_freeing_fits_more_sequences_in_a_small_cache(mistral):
@@ -131,7 +131,7 @@ def test_freeing_fits_more_sequences_in_a_small_cache(mistral):
                   free_out_of_window_blocks=free)  # fmt: skip
         tokens, most = run(llm, PROMPTS)
         assert tokens == hf_tokens
-        return llm.engine.scheduler.num_preemptions, most
+        return llm.engine.core.scheduler.num_preemptions, most
 
     (on, most_on), (off, most_off) = preemptions(True), preemptions(False)
     assert on < off
@@ -150,12 +150,12 @@ def test_freeing_fits_more_sequences_in_a_small_cache(mistral):
 def test_a_model_with_a_full_attention_layer_keeps_every_block(tmp_path, hf_cls, config_cls, overrides):
     folder = build_tiny_text_model(tmp_path, hf_cls, config_cls, **overrides)
     llm = LLM(str(folder), kv_cache_memory="1MiB", block_size=BS)
-    assert llm.engine.kv_window is None
+    assert llm.engine.core.kv_window is None
     engine = llm.engine
     engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-        for request in engine.scheduler.running:
-            blocks = engine.block_manager.live_blocks_of(request)
-            assert blocks == engine.block_manager.blocks_of(request)
+        for request in engine.core.scheduler.running:
+            blocks = engine.core.block_manager.live_blocks_of(request)
+            assert blocks == engine.core.block_manager.blocks_of(request)
             assert len(blocks) == -(-request.num_computed_tokens // BS)

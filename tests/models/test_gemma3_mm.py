@@ -125,9 +125,9 @@ def test_greedy_tokens_match_hf_alone_and_batched(gemma3, options):
               **{"kv_cache_memory": "4MiB", "limit_mm_per_prompt": {"image": 2}, **kwargs})  # fmt: skip
     if options == "chunked-prefill":  # a chunk boundary falls inside an image: the scheduler keeps it whole
         assert_chunk_boundary_inside_an_item(llm, request(0), "image", CHUNK)
-        assert llm.engine.scheduler_config.disable_chunked_mm_input
+        assert llm.engine.core.scheduler_config.disable_chunked_mm_input
     assert [tokens(llm, [request(i)])[0] for i in range(len(PROMPTS))] == want
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     assert tokens(llm, [request(0), TEXT, request(1)])[::2] == want  # batched
     assert_engine_case_happened(llm, options, hits)
 

@@ -198,10 +198,10 @@ def test_greedy_tokens_match_hf_alone_and_batched(idefics3, options):
         ]
         assert any(starts_on_text) and not all(starts_on_text)
     assert [tokens(llm, [r])[0] for r in requests()] == expected
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     two, one = requests()
     assert tokens(llm, [two, TEXT, one])[::2] == expected  # batched
     if options == "prefix-caching":
-        assert llm.engine.block_manager.prefix_hits > hits
+        assert llm.engine.core.block_manager.prefix_hits > hits
     if options == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0

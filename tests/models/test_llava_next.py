@@ -158,12 +158,12 @@ def test_greedy_tokens_match_hf_alone_and_batched(llava_next, options):
         str(folder), device="cpu", block_size=BLOCK, limit_mm_per_prompt=LIMITS, **{"kv_cache_memory": "4MiB", **kwargs}
     )
     assert [tokens(llm, [request(i)])[0] for i in range(len(PROMPTS))] == expected
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     assert tokens(llm, [request(2), request(0), request(1)]) == [expected[2], expected[0], expected[1]]
     if options == "prefix-caching":
-        assert llm.engine.block_manager.prefix_hits > hits
+        assert llm.engine.core.block_manager.prefix_hits > hits
     if options == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_mistral_backbone_matches_hf(tmp_path):
@@ -176,7 +176,7 @@ def test_mistral_backbone_matches_hf(tmp_path):
         expected = hf_model(**AutoProcessor.from_pretrained(folder)(text=prompt, images=images, return_tensors="pt"))
     expected = expected.logits[0, -1].log_softmax(-1)
     llm = LLM(str(folder), device="cpu", block_size=BLOCK, kv_cache_memory="4MiB", limit_mm_per_prompt=LIMITS)
-    assert type(llm.engine.model.language_model).__name__ == "MistralForCausalLM"
+    assert type(llm.engine.core.model.language_model).__name__ == "MistralForCausalLM"
     ((_, logprobs),) = greedy_logprobs(llm, [request(2)], 1, expected.shape[0])
     torch.testing.assert_close(logprobs[0], expected, atol=1e-4, rtol=0)
 

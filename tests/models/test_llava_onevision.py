@@ -269,13 +269,13 @@ def test_greedy_tokens_match_hf_alone_and_batched(onevision, options):
         str(folder), device="cpu", block_size=BLOCK, limit_mm_per_prompt=LIMITS, **{"kv_cache_memory": "4MiB", **kwargs}
     )
     assert [tokens(llm, [request(i)])[0] for i in range(len(PROMPTS))] == expected
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     order = [longest, 0] + [i for i in range(1, len(PROMPTS)) if i != longest]
     assert tokens(llm, [request(i) for i in order]) == [expected[i] for i in order]
     if options == "prefix-caching":
-        assert llm.engine.block_manager.prefix_hits > hits
+        assert llm.engine.core.block_manager.prefix_hits > hits
     if options == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_loads_with_qwen2_backbone(onevision):

@@ -119,7 +119,7 @@ def test_greedy_tokens_match_hf_alone_and_batched(mistral3, options):
     if options == "chunked-prefill":
         assert_chunk_boundary_inside_an_item(llm, request(0), "image", CHUNK)
     assert [tokens(llm, [request(i)])[0] for i in range(len(PROMPTS))] == want
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     assert tokens(llm, [request(0), TEXT, request(1)])[::2] == want  # batched
     assert_engine_case_happened(llm, options, hits)
 

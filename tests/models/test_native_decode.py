@@ -58,7 +58,7 @@ def folders(tmp_path_factory, tiny_llava_dir):
 
 
 def decoder_layers(llm) -> list[LlamaDecoderLayer | Gemma3DecoderLayer]:
-    return [m for m in llm.engine.model.modules() if isinstance(m, (LlamaDecoderLayer, Gemma3DecoderLayer))]
+    return [m for m in llm.engine.core.model.modules() if isinstance(m, (LlamaDecoderLayer, Gemma3DecoderLayer))]
 
 
 def native_and_eager(llm, prompts, vocab):

@@ -148,12 +148,12 @@ def test_greedy_tokens_match_hf(qwen2_5_vl, options):
     llm = LLM(str(folder), device="cpu", block_size=4, **{"kv_cache_memory": "4MiB", **kwargs})
     request = {"prompt": MIXED, "multi_modal_data": mixed_data()}
     assert tokens(llm, [request]) == [expected]
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     assert tokens(llm, [request, TEXT, request])[::2] == [expected, expected]  # batched
     if options == "prefix-caching":
-        assert llm.engine.block_manager.prefix_hits > hits
+        assert llm.engine.core.block_manager.prefix_hits > hits
     if options == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def tokens(llm, prompts):

@@ -143,12 +143,12 @@ def test_greedy_tokens_match_hf_alone_and_batched(qwen2_vl, options):
     }[options]
     llm = LLM(str(folder), device="cpu", block_size=4, **{"kv_cache_memory": "4MiB", **kwargs})
     assert [tokens(llm, [request(i)])[0] for i in range(len(PROMPTS))] == expected
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     assert tokens(llm, [request(i) for i in range(len(PROMPTS))]) == expected
     if options == "prefix-caching":
-        assert llm.engine.block_manager.prefix_hits > hits
+        assert llm.engine.core.block_manager.prefix_hits > hits
     if options == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 # ---- videos ------------------------------------------------------------------------------------------

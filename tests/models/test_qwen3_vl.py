@@ -181,13 +181,13 @@ def test_greedy_tokens_match_hf_alone_and_batched(qwen3_vl, clip, options):
     }[options]
     llm = LLM(str(folder), device="cpu", block_size=4, **{"kv_cache_memory": "4MiB", **kwargs})
     assert [tokens(llm, [r])[0] for r in requests(clip)] == expected
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     mixed, one_image = requests(clip)
     assert tokens(llm, [mixed, TEXT, one_image])[::2] == expected  # batched
     if options == "prefix-caching":
-        assert llm.engine.block_manager.prefix_hits > hits
+        assert llm.engine.core.block_manager.prefix_hits > hits
     if options == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def tokens(llm, prompts):
@@ -219,4 +219,4 @@ def test_a_video_shorter_than_a_temporal_patch_is_refused_clearly(qwen3_vl):
     llm = LLM(str(qwen3_vl[0]), device="cpu", kv_cache_memory="4MiB")
     with pytest.raises(ValueError, match="at least 2 frames"):
         llm.generate({"prompt": VIDEO, "multi_modal_data": {"video": [random_video(1, 32, 32)]}}, GREEDY)
-    assert tokens(llm, [TEXT]) and llm.engine.scheduler.has_unfinished_requests() is False
+    assert tokens(llm, [TEXT]) and llm.engine.core.scheduler.has_unfinished_requests() is False

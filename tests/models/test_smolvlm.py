@@ -164,13 +164,13 @@ def test_greedy_tokens_match_hf_alone_and_batched(smolvlm, clip, options):
         ]
         assert any(starts_on_text) and not all(starts_on_text)
     assert [tokens(llm, [r])[0] for r in requests(clip)] == expected
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     video, image = requests(clip)
     assert tokens(llm, [video, TEXT, image])[::2] == expected  # batched
     if options == "prefix-caching":
-        assert llm.engine.block_manager.prefix_hits > hits
+        assert llm.engine.core.block_manager.prefix_hits > hits
     if options == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 def test_chat_with_a_clip_gets_hf_prompt_and_answer(smolvlm, tmp_path):

@@ -88,7 +88,7 @@ def test_greedy_matches_hf_alone_and_batched(backbone, name, options):
     assert [tokens(llm, [p])[0] for p in PROMPTS] == hf_tokens
     assert tokens(llm, PROMPTS) == hf_tokens
     if options == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -96,6 +96,6 @@ def test_prefix_caching_gives_the_same_tokens(backbone, name):
     folder, hf_tokens, _ = backbone(name)
     llm = LLM(str(folder), kv_cache_memory="8MiB", block_size=4)
     assert tokens(llm, [PROMPTS[0]]) == [hf_tokens[0]]
-    hits = llm.engine.block_manager.prefix_hits
+    hits = llm.engine.core.block_manager.prefix_hits
     assert tokens(llm, [PROMPTS[0]]) == [hf_tokens[0]]
-    assert llm.engine.block_manager.prefix_hits > hits
+    assert llm.engine.core.block_manager.prefix_hits > hits

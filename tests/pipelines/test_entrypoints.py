@@ -67,4 +67,4 @@ def test_server_completion_with_an_inline_img_tag(llava_parts):
         engine.shutdown()
     expected = reference(llava_parts, image, "USER: <image>\nWhat is this? ASSISTANT:")
     assert response["choices"][0]["text"] == expected
-    assert response["usage"]["prompt_tokens"] > engine.engine.pipeline.num_image_embeds()
+    assert response["usage"]["prompt_tokens"] > engine.engine.core.built.pipeline.num_image_embeds()

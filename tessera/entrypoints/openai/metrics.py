@@ -24,7 +24,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ...engine.async_engine import engine_stats
 from ...outputs import RequestMetrics, RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -56,7 +55,7 @@ Stats = Callable[[], dict[str, int]]
 def _stats_source(engine: Any) -> tuple[Stats, Callable[[], list[dict[str, int]]]]:
     """(the engine's stats, its replicas' stats) for an AsyncEngine or DataParallelEngine (`stats()`, and
     `replica_stats()` where it has replicas), or an LLMEngine (read live)."""
-    stats = engine.stats if hasattr(engine, "stats") else (lambda: engine_stats(engine))
+    stats = engine.stats
     replicas = getattr(engine, "replica_stats", None) or (lambda: [stats()])
     return stats, replicas
 

@@ -53,7 +53,7 @@ def compare(folder, prompts, **options):
     for size in (1, 2):
         llm = LLM(str(folder), dtype="float32", tensor_parallel_size=size, **options)
         try:
-            results[size] = generate_recording(llm, prompts, GREEDY) + (llm.engine.scheduler.num_preemptions,)
+            results[size] = generate_recording(llm, prompts, GREEDY) + (llm.engine.core.scheduler.num_preemptions,)
         finally:
             llm.shutdown()
     (tokens_1, logits_1, preempted_1), (tokens_2, logits_2, preempted_2) = results[1], results[2]
@@ -88,7 +88,7 @@ def test_two_ranks_match_one_under_preemption(tmp_path):
                   enable_prefix_caching=False)  # fmt: skip
         try:
             tokens[size], logits[size] = generate_recording(llm, TEXT_PROMPTS, GREEDY)
-            preempted[size] = llm.engine.scheduler.num_preemptions
+            preempted[size] = llm.engine.core.scheduler.num_preemptions
         finally:
             llm.shutdown()
     assert preempted[1] > 0 and preempted[2] == preempted[1]
@@ -122,7 +122,7 @@ def test_a_killed_worker_fails_requests_and_turns_the_server_unhealthy(tiny_llav
     from tessera.entrypoints.openai.api_server import ServerThread, build_app
 
     engine = AsyncEngine(LLMEngine.from_options(str(tiny_llava_dir), tensor_parallel_size=2, kv_cache_memory="4MiB"))
-    worker = engine.engine.workers.processes[0]
+    worker = engine.engine.core.workers.processes[0]
     try:
         with ServerThread(build_app(engine, model_name="tiny")) as url:
             assert httpx.get(url + "/health").json() == {"status": "ok"}
@@ -143,7 +143,7 @@ def test_a_killed_worker_fails_requests_and_turns_the_server_unhealthy(tiny_llav
 def test_a_killed_worker_makes_the_offline_engine_raise(tiny_llava_dir):
     llm = LLM(str(tiny_llava_dir), tensor_parallel_size=2, kv_cache_memory="4MiB")
     try:
-        worker = llm.engine.workers.processes[0]
+        worker = llm.engine.core.workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=5)
         with pytest.raises(WorkerDiedError, match=rf"rank 1 \(pid {worker.pid}\) was killed by SIGKILL"):

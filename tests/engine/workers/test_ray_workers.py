@@ -40,7 +40,7 @@ def test_ray_workers_match_one_rank(tiny_llava_dir, tmp_path):
         llm = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", tensor_parallel_size=2,
                   distributed_executor_backend="ray")  # fmt: skip
         try:
-            assert type(llm.engine.workers).__name__ == "RayWorkers"
+            assert type(llm.engine.core.workers).__name__ == "RayWorkers"
             tokens_2, logits_2 = generate_recording(llm, prompts, GREEDY)
         finally:
             llm.shutdown()
@@ -51,7 +51,7 @@ def test_ray_workers_match_one_rank(tiny_llava_dir, tmp_path):
 def test_a_killed_ray_worker_makes_the_engine_raise(tiny_llava_dir):
     llm = LLM(str(tiny_llava_dir), kv_cache_memory="4MiB", tensor_parallel_size=2, distributed_executor_backend="ray")
     try:
-        (pid,) = llm.engine.workers.pids()
+        (pid,) = llm.engine.core.workers.pids()
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError, match=r"rank 1 \(Ray actor\) failed"):
             llm.generate("hello", GREEDY, use_tqdm=False)

@@ -381,7 +381,7 @@ def test_serve_exits_with_status_1_when_the_engine_dies(serve_engines):
         def scheduler_bug():
             raise RuntimeError("scheduler bug")
 
-        serve_engines[0].engine.scheduler.schedule = scheduler_bug
+        serve_engines[0].engine.core.scheduler.schedule = scheduler_bug
         response = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         seen["status"], seen["error"] = response.status_code, response.json()["error"]
         try:
@@ -407,7 +407,7 @@ def test_health_says_dead_once_the_engine_has_died(tiny_llava_dir):
     try:
         with ServerThread(build_app(engine, model_name="tiny")) as url:
             assert httpx.get(url + "/health").json() == {"status": "ok"}
-            engine.engine.scheduler.schedule = None  # calling it raises TypeError on the engine thread
+            engine.engine.core.scheduler.schedule = None  # calling it raises TypeError on the engine thread
             response = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
             assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
             health = httpx.get(url + "/health")
