@@ -4,8 +4,9 @@ Model: a random-weight LLaVA (CLIP ViT-B/16 at 224 px) over a Qwen2.5-0.5B-shape
 layers, 14 heads over 2 KV heads: both split in two; vocab 151936, tied), float32. Workloads:
 - latency: one request with an image, 64 output tokens: time to first token and decode tokens/s;
 - throughput: 16 requests, a distinct image each, 64 output tokens each (ignore EOS): output tokens/s.
-TP=1 and TP=2 engines live side by side and run in alternating rounds; DP=2 (two replica processes
-behind one DataParallelEngine) is timed against one in-process AsyncEngine on the throughput workload.
+TP=1 and TP=2 engines live side by side and run in alternating rounds; DP=2 (two core processes behind one
+AsyncEngine, its LLMEngine driving a DataParallelClient) is timed against one in-process AsyncEngine on the
+throughput workload.
 Prints medians over the rounds and the ratios to one process.
 
     .venv/bin/python -m benchmarks.bench_parallel [--rounds 3] [--skip-dp]
@@ -84,7 +85,8 @@ def bench_tensor_parallel(folder: Path, rounds: int) -> None:
     for round_ in range(rounds):
         for size, llm in engines.items():
             # torch's thread count is per process: rank 0 of TP=2 takes its share (cores / 2), TP=1 all cores
-            torch.set_num_threads(llm.engine.core.workers.num_threads if llm.engine.core.workers else os.cpu_count() or 1)
+            workers = llm.engine.core.workers
+            torch.set_num_threads(workers.num_threads if workers else os.cpu_count() or 1)
             ttft, decode = latency(llm, seed=10 * round_ + size)
             results[size]["ttft"].append(ttft)
             results[size]["decode"].append(decode)
@@ -105,7 +107,8 @@ def bench_tensor_parallel(folder: Path, rounds: int) -> None:
 
 
 async def engine_throughput(engine, seed: int) -> float:
-    """Output tokens/s of NUM_REQUESTS requests sent at once to an AsyncEngine or a DataParallelEngine."""
+    """Output tokens/s of NUM_REQUESTS requests sent at once to an AsyncEngine (one core in-thread, or two
+    data-parallel replicas)."""
 
     async def one(i: int, prompt: dict) -> int:
         stream = await engine.add_request(f"bench-{seed}-{i}", prompt, greedy(OUTPUT_TOKENS))
@@ -121,12 +124,11 @@ async def engine_throughput(engine, seed: int) -> float:
 
 async def bench_data_parallel(folder: Path, rounds: int) -> None:
     from tessera.engine.async_engine import AsyncEngine
-    from tessera.engine.data_parallel import DataParallelEngine
     from tessera.engine.llm_engine import LLMEngine
 
     engines = {
         1: AsyncEngine(LLMEngine.from_options(str(folder), **OPTIONS)),
-        2: DataParallelEngine(str(folder), OPTIONS, 2),
+        2: AsyncEngine(LLMEngine.data_parallel(str(folder), OPTIONS, 2)),
     }
     try:
         for engine in engines.values():

@@ -27,3 +27,20 @@ class ServerBusyError(RuntimeError):
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker died or the ranks fell out of step: the engine cannot run another step
     and must be restarted (unlike a model error, which fails only that step's requests)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine (its thread, a replica process or a tensor-parallel rank) stopped after an unexpected error;
+    nothing more can be generated until it is restarted: 503."""
+
+    status_code = 503
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request; others go on. `status_code`: 500 where it is not
+    the caller's fault, 400 where the request's own inputs could not run, 503 where the server ended it
+    while shutting down."""
+
+    def __init__(self, message: str, status_code: int = 500) -> None:
+        super().__init__(message)
+        self.status_code = status_code

@@ -12,9 +12,9 @@ A model failure fails only the requests of that step (`RequestFailedError` on th
 If the engine thread itself dies, every stream gets `EngineDeadError`, `is_alive` turns False and
 the `on_dead` callbacks run (the server uses one to exit, so a supervisor restarts it).
 
-What the server reads besides requests (`tokenizer`, `preprocessor`, `chat_template`, `model_config`,
-`max_model_len`, `stats()`) is the same on `DataParallelEngine` (engine/data_parallel.py), so the
-server serves either.
+It is the server's `EngineClient` (engine_client.py) whatever runs the core: the engine thread steps an
+`EngineCore` itself, or, with data parallelism, waits for the outputs of the replicas its `LLMEngine`'s
+`DataParallelClient` routes to (prompts are still processed here, once).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, TypeVar
 
+from ..errors import EngineDeadError, RequestFailedError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
@@ -34,20 +35,6 @@ from .prompt import PromptInputs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped after an unexpected error; the server cannot generate any more."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while running this request; others go on. `status_code`: 500 where it is not
-    the caller's fault, 400 where the request's own inputs could not run, 503 where the server ended it
-    while shutting down."""
-
-    def __init__(self, message: str, status_code: int = 500) -> None:
-        super().__init__(message)
-        self.status_code = status_code
 
 
 class RequestStream:
@@ -102,8 +89,7 @@ class AsyncEngine:
         self.on_dead: list[Callable[[BaseException], None]] = []
         self._preprocess = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="tessera-preprocess")
         self._worker_death: Optional[BaseException] = None
-        if engine.core.workers is not None:  # a tensor-parallel worker dying stops the engine, even while idle
-            engine.core.workers.on_death.append(self._worker_died)
+        engine.core.watch(self._worker_died)  # a rank or replica dying stops the engine, even while idle
         self._thread = threading.Thread(target=self._run, name="tessera-engine", daemon=True)
         self._thread.start()
 
@@ -131,8 +117,12 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def stats(self) -> dict[str, int]:
-        """The engine's counters now (`EngineCore.stats`), read live."""
+        """The engine's counters now (`EngineCore.stats`; summed over data-parallel replicas)."""
         return self.engine.stats()
+
+    def replica_stats(self) -> list[dict[str, int]]:
+        """Each replica's counters (one entry without data parallelism)."""
+        return self.engine.core.replica_stats()
 
     # ---- called from coroutines ------------------------------------------------------------------
 
@@ -170,6 +160,7 @@ class AsyncEngine:
             raise EngineDeadError(f"The engine has stopped: {self.dead!r}")
         self._calls.put((fn, args))
         self._wakeup.set()
+        self.engine.core.wake()  # a core elsewhere: the engine thread may be waiting for its outputs
 
     async def process(self, prompt: Any, params: Optional[SamplingParams] = None) -> PromptInputs:
         """Validate and process a prompt on the worker pool (the engine keeps stepping meanwhile);
@@ -221,9 +212,10 @@ class AsyncEngine:
             stream.put(RequestFailedError(message, 503))
 
     def _worker_died(self, error: BaseException) -> None:
-        """(On the worker monitor's thread.) Make the engine thread stop with `error` at once."""
+        """(On a monitor thread.) Make the engine thread stop with `error` at once."""
         self._worker_death = error
         self._wakeup.set()
+        self.engine.core.wake()
 
     def _run(self) -> None:
         try:

@@ -1,8 +1,9 @@
 """The engine core: processed requests in, one scheduled step at a time, new tokens out (vLLM v1's
 EngineCore).
 
-It owns what a step touches: the scheduler with its KV block manager and encoder cache, the model
-runner (and the tensor-parallel workers behind it), the grammar matchers. It knows nothing of prompts
+It is the in-thread `EngineCoreClient` (core_client.py). It owns what a step touches: the scheduler with
+its KV block manager and encoder cache, the model runner (and the tensor-parallel workers behind it), the
+grammar matchers. It knows nothing of prompts
 or text: requests reach it processed (`EngineCoreRequest`), and each step returns every advanced
 sequence's new token and, if the core ended it, why (`EngineCoreOutput`). The front-ends
 (`LLMEngine` in-process, `AsyncEngine` for the server) own the input preprocessor and the output
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 from ..config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -254,6 +255,17 @@ class EngineCore:
             "processor_cache_hits": processor.hits if processor is not None else 0,
             "num_preemptions": scheduler.num_preemptions,
         }
+
+    def replica_stats(self) -> list[dict[str, int]]:
+        return [self.stats()]
+
+    def wake(self) -> None:
+        """Nothing to wake: `step()` never waits."""
+
+    def watch(self, on_death: Callable[[BaseException], None]) -> None:
+        """Call `on_death(error)` when a tensor-parallel worker dies (from the workers' monitor thread)."""
+        if self.workers is not None:
+            self.workers.on_death.append(on_death)
 
     def check_health(self) -> None:
         """Raise `WorkerDiedError` if a tensor-parallel worker has died."""

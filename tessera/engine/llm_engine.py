@@ -1,8 +1,9 @@
-"""The in-process front-end: prompts in, `RequestOutput`s out, one engine-core step at a time.
+"""The front-end: prompts in, `RequestOutput`s out, one engine-core step at a time.
 
-prompt -> `InputPreprocessor` (token ids, items) -> `EngineCoreRequest`s (one per sequence) -> `EngineCore.step()`
--> `OutputProcessor` (text, stop strings) -> `RequestOutput`. The offline `LLM` drives it step by step; the
-server's `AsyncEngine` runs one on a thread of its own.
+prompt -> `InputPreprocessor` (token ids, items) -> `EngineCoreRequest`s (one per sequence) -> the core's
+`step()` -> `OutputProcessor` (text, stop strings) -> `RequestOutput`. The core is an `EngineCoreClient`: an
+`EngineCore` in this thread by default, or cores in other processes (`LLMEngine.data_parallel`). The offline
+`LLM` drives it step by step; the server's `AsyncEngine` runs one on a thread of its own.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ import logging
 import time
 from typing import Any, Optional, Union
 
-from ..config import CacheConfig, ModelConfig, MultiModalConfig, ParallelConfig, SchedulerConfig
+from ..config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, engine_configs
 from ..errors import InputError
+from ..models.factory import BuiltProcessor, build_processor
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .core_io import EngineCoreRequest
+from ..tokenizer_utils import load_tokenizer
+from .core_client import EngineCoreClient
+from .core_io import EngineCoreRequest, EngineLimits
 from .engine_core import EngineCore
 from .input_preprocessor import InputPreprocessor
 from .output_processor import OutputProcessor
 from .prompt import PromptInputs, PromptType
+from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -32,51 +37,47 @@ class LLMEngine:
         cache_config: Optional[CacheConfig] = None,
         scheduler_config: Optional[SchedulerConfig] = None,
         parallel_config: Optional[ParallelConfig] = None,
+        *,
+        core: Optional[EngineCoreClient] = None,
     ) -> None:
-        self.core = core = EngineCore(model_config, cache_config, scheduler_config, parallel_config)
+        """A front-end over `core` (an `EngineCoreClient` for cores elsewhere: a child process, data-parallel
+        replicas; it is shut down with this engine), or over an `EngineCore` built here from the configs."""
         self.model_config = model_config
-        self.tokenizer, self.processor = core.tokenizer, core.processor
+        if core is None:
+            local = EngineCore(model_config, cache_config, scheduler_config, parallel_config)
+            inputs, grammars = local.built.inputs, local.structured_output  # one grammar cache for both sides
+            core = local
+        else:
+            try:
+                inputs = build_processor(model_config, load_tokenizer(model_config))
+                if inputs.processor is not None:
+                    inputs.processor.check_mm_kwargs()
+            except BaseException:
+                core.shutdown()
+                raise
+            vocab_size = model_config.hf_config.get_text_config().vocab_size
+            grammars = StructuredOutputManager(inputs.tokenizer, vocab_size, core.info.eos_token_ids)
+        self.core: EngineCoreClient = core
+        self.tokenizer, self.processor = inputs.tokenizer, inputs.processor
         self.max_model_len = core.info.max_model_len
-        get_placeholder = getattr(type(core.model), "get_placeholder_str", None)
-        self.input_preprocessor = InputPreprocessor(
-            model_config, self.tokenizer, self.processor, core.info.limits, chat_renderer=core.built.chat_renderer(),
-            placeholder=(lambda i: get_placeholder("image", i)) if get_placeholder else None,
-            video_placeholder=self._video_placeholder(get_placeholder),
-        )  # fmt: skip
+        self.structured_output = grammars  # checks output constraints at admission (compiled once, cached)
+        self.input_preprocessor = _input_preprocessor(model_config, inputs, core.info.limits)
         self.output_processor = OutputProcessor(self.tokenizer)
-
-    def _video_placeholder(self, get_placeholder: Any) -> Optional[Any]:
-        """The model's prompt text for video i, if it takes videos: it has a placeholder for them
-        and its processor supports the modality."""
-        if get_placeholder is None or get_placeholder("video", 0) is None:
-            return None
-        info = getattr(self.processor, "info", None)
-        if info is None or "video" not in info.get_supported_mm_limits():
-            return None
-        return lambda i: get_placeholder("video", i)
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "LLMEngine":
         """An engine for a model folder; options are fields of ModelConfig, CacheConfig, SchedulerConfig,
-        ParallelConfig and MultiModalConfig (limit_mm_per_prompt is MultiModalConfig.limit_per_prompt)."""
-        configs = (ModelConfig, CacheConfig, SchedulerConfig, MultiModalConfig, ParallelConfig)
-        groups: dict[type, dict[str, Any]] = {c: {} for c in configs}
-        renames = {"limit_mm_per_prompt": "limit_per_prompt"}
-        settable = {c: {f.name for f in dataclasses.fields(c) if f.init} for c in configs}  # not hf_config, gguf_file
-        for name, value in options.items():
-            name = renames.get(name, name)
-            owner = next((c for c in groups if name in settable[c]), None)
-            if owner is None:
-                raise ValueError(f"Unknown LLM option {name!r}")
-            groups[owner][name] = value
-        mm_config = MultiModalConfig(**groups[MultiModalConfig])
-        model_config = ModelConfig(model, multimodal_config=mm_config, **groups[ModelConfig])
-        return cls(
-            model_config,
-            CacheConfig(**groups[CacheConfig]),
-            SchedulerConfig(**groups[SchedulerConfig]),
-            ParallelConfig(**groups[ParallelConfig]),
-        )
+        ParallelConfig and MultiModalConfig (`config.engine_configs`)."""
+        return cls(*engine_configs(model, **options))
+
+    @classmethod
+    def data_parallel(cls, model: str, engine_options: Optional[dict[str, Any]] = None, size: int = 2) -> "LLMEngine":
+        """A front-end here over `size` engine cores, each in a process of its own with the same options
+        (`DataParallelClient`); prompts are processed here and each replica gets processed requests."""
+        from .data_parallel import DataParallelClient
+
+        configs = engine_configs(model, **(engine_options or {}))  # bad options fail before any process starts
+        return cls(*configs, core=DataParallelClient(model, engine_options, size))
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -85,7 +86,7 @@ class LLMEngine:
         cache (thread-safe; touches no other engine state: any thread may run it)."""
         inputs = self.input_preprocessor.process(prompt, params)
         if params.structured_outputs is not None:
-            self.core.structured_output.compile(params.structured_outputs)  # an invalid one raises InputError
+            self.structured_output.compile(params.structured_outputs)  # an invalid one raises InputError
         return inputs
 
     def add_request(
@@ -127,7 +128,13 @@ class LLMEngine:
         return processed.outputs
 
     def stats(self) -> dict[str, int]:
-        return self.core.stats()
+        """The core's counters (`EngineCore.stats`, summed over replicas), the processor cache's from here:
+        prompts are processed by this front-end."""
+        stats = dict(self.core.stats())
+        cache = getattr(self.processor, "cache", None)
+        stats["processor_cache_queries"] = cache.stats.queries if cache is not None else 0
+        stats["processor_cache_hits"] = cache.stats.hits if cache is not None else 0
+        return stats
 
     def check_health(self) -> None:
         """Raise `WorkerDiedError` if a tensor-parallel worker has died."""
@@ -136,6 +143,21 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
         self.core.shutdown()
+
+
+def _input_preprocessor(model_config: ModelConfig, inputs: BuiltProcessor, limits: EngineLimits) -> InputPreprocessor:
+    """The preprocessor of a model: its processor, chat renderer and the prompt texts of its items."""
+    get_placeholder = getattr(inputs.model_cls, "get_placeholder_str", None)
+    image = (lambda i: get_placeholder("image", i)) if get_placeholder else None
+    video = None
+    info = getattr(inputs.processor, "info", None)
+    takes_video = info is not None and "video" in info.get_supported_mm_limits()
+    if get_placeholder is not None and get_placeholder("video", 0) is not None and takes_video:
+        video = lambda i: get_placeholder("video", i)  # noqa: E731
+    return InputPreprocessor(
+        model_config, inputs.tokenizer, inputs.processor, limits,
+        chat_renderer=inputs.chat_renderer(), placeholder=image, video_placeholder=video,
+    )  # fmt: skip
 
 
 def core_requests(

@@ -1,59 +1,42 @@
-"""An engine replica in a local process of its own, and the client the server process talks to it with.
+"""An engine core in a local process of its own, and the client the front-end's process drives it with.
 
-The child (`engine/replica_process.py`) builds `LLMEngine.from_options(model, **engine_options)`, wraps it
-in an `AsyncEngine` and serves commands read from a `multiprocessing` Pipe: add a request and stream its
-`RequestOutput`s back, abort one, process a prompt (for /tokenize), render a chat's text, and push a small
-stats snapshot (`EngineCore.stats`: plain numbers) at most every `STATS_INTERVAL` seconds when it changed, and
-at once when the replica goes idle. Messages are pickled tuples (`send_bytes(pickle.dumps(...))` under a
-lock, so threads never interleave them).
+The child (`engine/replica_process.py`) builds an `EngineCore` from the engine options and steps it while
+it has work. Requests reach it processed (`EngineCoreRequest`: token ids, items with their hashes and
+tensors), so the child never renders a chat, loads an image or runs the HF processor, and each item is
+hashed once, by the front-end. The child sends back each step's `EngineCoreOutput`s, the rejection of a
+request it cannot queue, and a stats snapshot (`EngineCore.stats`) at most every `STATS_INTERVAL` seconds
+while busy, and at once when it goes idle. Messages are pickled tuples over a `multiprocessing` Pipe.
 
-`ReplicaClient` (the parent's side) presents what the server uses of `AsyncEngine`: `process()`,
-`add_request()` returning a `RequestStream` (async iteration; the request aborts when the reader goes away;
-`RequestFailedError` / `EngineDeadError`), `is_alive`, `dead`, `on_dead` callbacks and `shutdown()`. A monitor
-thread watches the process's sentinel and the reader thread the pipe's end of file: a replica that dies
-(killed, crashed) is seen within a second or so; its in-flight requests then fail with an `EngineDeadError`
-that names the replica and its exit code, `is_alive` turns False and the `on_dead` callbacks run.
+`ReplicaClient` (the parent's side) sends requests and aborts, and puts what the child sends into an
+outputs queue that the front-end's `step()` reads (one queue may serve several replicas: the data-parallel
+client). A monitor thread watches the process's sentinel and the reader thread the pipe's end of file: a
+replica that dies (killed, crashed) is seen within a second or so; `dead` then names it and its exit
+code, the `watch` callbacks run and the queue is woken.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import itertools
 import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from multiprocessing.connection import wait as wait_for
 from typing import Any, Optional
 
-from ..sampling_params import SamplingParams
-from .async_engine import EngineDeadError, RequestFailedError, RequestStream
-from .prompt import PromptInputs
+from ..errors import EngineDeadError
+from .core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from .replica_process import dumps, replica_main
 
 logger = logging.getLogger(__name__)
-
-# ---- the parent's side ---------------------------------------------------------------------------------------
-
-
-class ReplicaStream(RequestStream):
-    """A request's outputs from a replica: RequestStream's semantics, aborting through the pipe."""
-
-    def __init__(self, client: "ReplicaClient", request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(client, request_id, loop)  # type: ignore[arg-type]
-        self.client = client
-
-    def abort(self) -> None:
-        self.finished = True
-        self.client._abort(self.request_id)
-
 
 _LIVE_CLIENTS: "weakref.WeakSet[ReplicaClient]" = weakref.WeakSet()
 
@@ -65,7 +48,7 @@ def _shutdown_live_clients() -> None:  # before multiprocessing joins its childr
 
 
 class ReplicaClient:
-    """One replica process (started at once; `wait_ready()` waits for its engine) and its requests."""
+    """One core process (started at once; `wait_ready()` waits for its core) and its sequences in flight."""
 
     def __init__(
         self,
@@ -74,7 +57,9 @@ class ReplicaClient:
         engine_options: Optional[Mapping[str, Any]] = None,
         *,
         num_threads: Optional[int] = None,
+        outputs: Optional[queue.SimpleQueue] = None,
     ) -> None:
+        """`outputs`: where lists of `EngineCoreOutput` arrive (None: a wake-up); a queue of its own if not given."""
         self.index = index
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
@@ -88,23 +73,23 @@ class ReplicaClient:
         self.child_process.start()
         child_conn.close()
         self.pid = self.child_process.pid
-        self.info: dict[str, Any] = {}
+        self.outputs: queue.SimpleQueue = outputs if outputs is not None else queue.SimpleQueue()
+        self.info: Optional[EngineCoreInfo] = None
         self.dead: Optional[EngineDeadError] = None
         self.on_dead: list[Callable[[BaseException], None]] = []
         self.last_stats: dict[str, int] = {}
-        self._streams: dict[str, ReplicaStream] = {}
+        self.in_flight: set[str] = set()  # sequence ids sent and not yet finished or aborted
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._closing = False  # stopping on purpose: the process's end is no death
         self._shut = False
-        self._threads: list[threading.Thread] = []
         _LIVE_CLIENTS.add(self)
 
-    def wait_ready(self, timeout: Optional[float] = None) -> dict[str, Any]:
-        """Wait until the replica's engine is built; its start-up info. A replica that fails to start
-        raises RuntimeError with the child's error (it is stopped)."""
+    def wait_ready(self, timeout: Optional[float] = None) -> EngineCoreInfo:
+        """Wait until the replica's core is built; its start-up info. A replica that fails to start raises
+        RuntimeError with the child's error (ValueError for bad input, e.g. no such model folder)."""
         ready = wait_for([self._conn, self.child_process.sentinel], timeout)
         message: Any = None
         if self._conn in ready:
@@ -122,15 +107,12 @@ class ReplicaClient:
             if not ready:
                 raise RuntimeError(f"Engine replica {self.index} did not start within {timeout} s")
             raise RuntimeError(f"Engine replica {self.index} exited while starting ({self._exit_description()})")
-        self.info = message[1]
-        self.last_stats = dict(self.info.get("stats", {}))
+        _, self.info, self.last_stats = message
         for target, name in ((self._read, "reader"), (self._watch, "monitor")):
-            thread = threading.Thread(target=target, name=f"tessera-replica-{self.index}-{name}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            threading.Thread(target=target, name=f"tessera-replica-{self.index}-{name}", daemon=True).start()
         return self.info
 
-    # ---- what the server uses ------------------------------------------------------------------------
+    # ---- what the front-end uses ---------------------------------------------------------------------
 
     @property
     def is_alive(self) -> bool:
@@ -138,50 +120,55 @@ class ReplicaClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self.in_flight)
 
-    async def process(self, prompt: Any, params: Optional[SamplingParams] = None) -> PromptInputs:
-        """The prompt processed by the replica (its processor cache); bad input raises ValueError."""
-        return await self.call("process", prompt, params or SamplingParams())
-
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> ReplicaStream:
-        """Process and queue a prompt on the replica; bad input raises ValueError here, before anything is queued."""
+    def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
-        stream = ReplicaStream(self, request_id, asyncio.get_running_loop())
-        self._streams[request_id] = stream  # in flight from now on (the router counts it)
-        try:
-            await self.call("add", request_id, prompt, params)
-        except asyncio.CancelledError:  # the caller went away; the add may still run: undo it
-            stream.abort()
-            raise
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        return stream
+        self.in_flight.add(request.request_id)
+        self._send(("add", request))
 
-    async def stats(self) -> dict[str, int]:
-        """A fresh stats snapshot (also kept as `last_stats`)."""
-        self.last_stats = await self.call("stats")
+    def abort(self, request_ids: Iterable[str], *, stopped: bool = False) -> None:
+        ids = [i for i in request_ids if i in self.in_flight]
+        if not ids:
+            return
+        self.in_flight.difference_update(ids)
+        if self.is_alive:
+            try:
+                self._send(("abort", ids, stopped))
+            except EngineDeadError:
+                pass
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.in_flight)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """The outputs that arrived, waiting for some (or a `wake()`); raises `EngineDeadError` once it died."""
+        return next_outputs(self.outputs, self._check_alive)
+
+    def wake(self) -> None:
+        self.outputs.put(None)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.last_stats)
+
+    def replica_stats(self) -> list[dict[str, int]]:
+        return [{**self.last_stats, "in_flight": self.num_in_flight}]
+
+    def watch(self, on_death: Callable[[BaseException], None]) -> None:
+        self.on_dead.append(on_death)
+
+    def check_health(self) -> None:
+        self._check_alive()
+
+    def stats_now(self, timeout: float = 30.0) -> dict[str, int]:
+        """A fresh stats snapshot (also kept as `last_stats`), waiting on this thread."""
+        self._check_alive()
+        call_id = next(self._ids)
+        future: Future = Future()
+        self._calls[call_id] = future
+        self._send(("stats", call_id))
+        self.last_stats = future.result(timeout)
         return self.last_stats
-
-    async def call(self, kind: str, *args: Any) -> Any:
-        return await asyncio.wrap_future(self._request(kind, *args))
-
-    def call_sync(self, kind: str, *args: Any, timeout: Optional[float] = 60.0) -> Any:
-        """A command's result, waiting on this thread (never call it on an event loop's thread)."""
-        return self._request(kind, *args).result(timeout)
-
-    def abort_all(self, message: str) -> None:
-        """End every request in flight on this replica: their streams raise `RequestFailedError(message, 503)`
-        at once and the replica frees them."""
-        streams, self._streams = self._streams, {}
-        for request_id, stream in streams.items():
-            stream.put(RequestFailedError(message, 503))
-            if self.is_alive:
-                try:
-                    self._send(("abort", request_id))
-                except EngineDeadError:
-                    pass
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._shut:
@@ -200,14 +187,13 @@ class ReplicaClient:
             self.child_process.kill()
             self.child_process.join(2.0)
         self._conn.close()
-        error = EngineDeadError(f"Engine replica {self.index} was shut down.")
-        self._fail_all(error)
+        self._fail_calls(EngineDeadError(f"Engine replica {self.index} was shut down."))
 
     # ---- internals -----------------------------------------------------------------------------------
 
     def _check_alive(self) -> None:
         if self.dead is not None:
-            raise EngineDeadError(str(self.dead))
+            raise self.dead
         if not self.is_alive:
             raise EngineDeadError(f"Engine replica {self.index} has stopped.")
 
@@ -221,30 +207,8 @@ class ReplicaClient:
                 threading.Thread(target=self._died, daemon=True).start()
             raise EngineDeadError(f"Engine replica {self.index} is unreachable: {e!r}") from None
 
-    def _request(self, kind: str, *args: Any) -> Future:
-        self._check_alive()
-        call_id = next(self._ids)
-        future: Future = Future()
-        self._calls[call_id] = future
-        try:
-            self._send((kind, call_id, *args))
-        except BaseException:
-            self._calls.pop(call_id, None)
-            raise
-        if self.dead is not None and self._calls.pop(call_id, None) is not None:  # died meanwhile
-            future.set_exception(EngineDeadError(str(self.dead)))
-        return future
-
-    def _abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is None or not self.is_alive:
-            return
-        try:
-            self._send(("abort", request_id))
-        except EngineDeadError:
-            pass
-
     def _read(self) -> None:
-        """The reader thread: replies, outputs and stats from the replica, until the pipe ends."""
+        """The reader thread: outputs, rejections, stats and replies from the replica, until the pipe ends."""
         while True:
             try:
                 message = pickle.loads(self._conn.recv_bytes())
@@ -262,32 +226,17 @@ class ReplicaClient:
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "out":
-            _, request_id, output = message
-            stream = self._streams.get(request_id)
-            if stream is None:
-                return
-            if output.finished:
-                self._streams.pop(request_id, None)
-            if not stream.put(output) and not output.finished:  # its reader is gone: stop it
-                self._abort(request_id)
-        elif kind == "error":
-            _, request_id, what, text = message
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                error_type = RequestFailedError if what == "failed" else EngineDeadError
-                stream.put(error_type(text if what == "failed" else f"Engine replica {self.index}: {text}"))
-        elif kind == "result":
-            _, call_id, ok, value = message
-            future = self._calls.pop(call_id, None)
-            if future is None or future.done():
-                return
-            if ok:
-                future.set_result(value)
-            else:
-                future.set_exception(value)
+        if kind == "outputs":
+            outputs: list[EngineCoreOutput] = message[1]
+            self.in_flight.difference_update(o.request_id for o in outputs if o.finished)
+            self.outputs.put(outputs)
         elif kind == "stats":
             self.last_stats = message[1]
+        elif kind == "result":
+            _, call_id, value = message
+            future = self._calls.pop(call_id, None)
+            if future is not None and not future.done():
+                future.set_result(value)
         elif kind == "engine_dead":
             self._died(f"Engine replica {self.index} (pid {self.pid}): its engine stopped: {message[1]}")
 
@@ -319,18 +268,30 @@ class ReplicaClient:
                 reason = f"Engine replica {self.index} (pid {self.pid}) died ({self._exit_description()})"
             self.dead = EngineDeadError(f"{reason}; the server must be restarted.")
         logger.error("%s", self.dead)
-        for callback in self.on_dead:  # first, so that whoever sees a stream fail sees them done
+        for callback in self.on_dead:
             try:
                 callback(self.dead)
             except Exception:
                 logger.exception("An on_dead callback failed")
-        self._fail_all(self.dead)
+        self._fail_calls(self.dead)
+        self.outputs.put(None)  # wake the front-end: its step() raises
 
-    def _fail_all(self, error: EngineDeadError) -> None:
-        streams, self._streams = self._streams, {}
+    def _fail_calls(self, error: EngineDeadError) -> None:
         calls, self._calls = self._calls, {}
-        for stream in streams.values():
-            stream.put(EngineDeadError(str(error)))
         for future in calls.values():
             if not future.done():
                 future.set_exception(EngineDeadError(str(error)))
+
+
+def next_outputs(outputs: queue.SimpleQueue, check_alive: Callable[[], None]) -> list[EngineCoreOutput]:
+    """Everything in `outputs` now, after waiting for the first entry (a list of outputs, or None to wake);
+    `check_alive()` raises first if a replica died."""
+    check_alive()
+    entries = [outputs.get()]
+    while True:
+        try:
+            entries.append(outputs.get_nowait())
+        except queue.Empty:
+            break
+    check_alive()
+    return [output for entry in entries if entry is not None for output in entry]

@@ -20,15 +20,16 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class BuiltModel:
-    model: nn.Module
-    """The model with its weights loaded, in eval mode, its parts on the configured dtypes and devices."""
+class BuiltProcessor:
+    """What a front-end needs to turn prompts into requests, built without the model's weights."""
 
     processor: Optional[BaseMultiModalProcessor]
     """Prompt and items -> token ids, placeholders and item kwargs; None for a text-only model."""
 
     tokenizer: Any
-    """The tokenizer the model was built with."""
+
+    model_cls: type
+    """The model's class: its `get_placeholder_str(modality, i)`, if it has one, is item i's prompt text."""
 
     pipeline: Optional[AbstractMultimodalPipeline] = None
     """The vision pipeline plugin in pipeline mode, else None."""
@@ -45,6 +46,25 @@ class BuiltModel:
         return self.tokenizer, None
 
 
+@dataclass(frozen=True)
+class BuiltModel:
+    model: nn.Module
+    """The model with its weights loaded, in eval mode, its parts on the configured dtypes and devices."""
+
+    processor: Optional[BaseMultiModalProcessor]
+    """Prompt and items -> token ids, placeholders and item kwargs; None for a text-only model."""
+
+    tokenizer: Any
+    """The tokenizer the model was built with."""
+
+    pipeline: Optional[AbstractMultimodalPipeline] = None
+    """The vision pipeline plugin in pipeline mode, else None."""
+
+    @property
+    def inputs(self) -> BuiltProcessor:
+        return BuiltProcessor(self.processor, self.tokenizer, type(self.model), self.pipeline)
+
+
 def build_model(model_config: ModelConfig, tokenizer: Any) -> BuiltModel:
     """The model of `model_config`, and its processor if it takes items: with a vision pipeline when
     `model_config.multimodal_config.uses_pipeline`, else the class config.json's architectures name
@@ -55,7 +75,22 @@ def build_model(model_config: ModelConfig, tokenizer: Any) -> BuiltModel:
 
         pipeline, processor, model = build_with_pipeline(model_config, tokenizer)
         return BuiltModel(model, processor, tokenizer, pipeline)
-    processor = None
-    if MULTIMODAL_REGISTRY.get_factories(model_cls) is not None:
-        processor = MULTIMODAL_REGISTRY.create_processor(model_config, tokenizer=tokenizer)
-    return BuiltModel(load_model(model_config), processor, tokenizer)
+    return BuiltModel(load_model(model_config), _processor(model_config, model_cls, tokenizer), tokenizer)
+
+
+def build_processor(model_config: ModelConfig, tokenizer: Any) -> BuiltProcessor:
+    """`build_model`'s processor side alone, for a front-end whose engine cores run elsewhere (no weights
+    are loaded; a vision pipeline is, as its processing needs it)."""
+    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architectures)
+    if model_config.multimodal_config.uses_pipeline:
+        from .pipeline_adapter import PipelineForCausalLM, build_pipeline_processor
+
+        pipeline, processor = build_pipeline_processor(model_config, tokenizer)
+        return BuiltProcessor(processor, tokenizer, PipelineForCausalLM, pipeline)
+    return BuiltProcessor(_processor(model_config, model_cls, tokenizer), tokenizer, model_cls)
+
+
+def _processor(model_config: ModelConfig, model_cls: type, tokenizer: Any) -> Optional[BaseMultiModalProcessor]:
+    if MULTIMODAL_REGISTRY.get_factories(model_cls) is None:
+        return None
+    return MULTIMODAL_REGISTRY.create_processor(model_config, tokenizer=tokenizer)

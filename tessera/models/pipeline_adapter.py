@@ -168,15 +168,33 @@ def build_with_pipeline(
 ) -> tuple[AbstractMultimodalPipeline, PipelineMultiModalProcessor, PipelineForCausalLM]:
     """(pipeline, processor, model) for a text model folder with a vision pipeline plugin: the
     pipeline chosen by name, else by the folder's name, as ModelConfig.multimodal_config says."""
-    mm = model_config.multimodal_config
-    name = None if mm.multimodal_pipeline in (None, "auto") else mm.multimodal_pipeline
-    params = {"model_path": str(model_config.model), **mm.pipeline_params}
-    pipeline = load_pipeline(name, model_name=Path(model_config.model).name, params=params,
-                             pipelines_dir=mm.pipelines_dir)  # fmt: skip
+    pipeline = _load_pipeline(model_config)
     # Original LLaVA checkpoints carry the projector and vision tower beside the text weights.
     text_model = load_model(model_config, ignore_prefixes=("model.mm_projector.", "model.vision_tower."))
     model = PipelineForCausalLM(text_model, pipeline, tokenizer)
+    return pipeline, _pipeline_processor(model_config, pipeline, tokenizer), model
+
+
+def build_pipeline_processor(
+    model_config: ModelConfig, tokenizer: Any
+) -> tuple[AbstractMultimodalPipeline, PipelineMultiModalProcessor]:
+    """(pipeline, processor) without the text model, for a front-end whose engine cores run elsewhere."""
+    pipeline = _load_pipeline(model_config)
+    pipeline.attach(None, tokenizer)  # type: ignore[arg-type]  (processing needs only the tokenizer)
+    return pipeline, _pipeline_processor(model_config, pipeline, tokenizer)
+
+
+def _load_pipeline(model_config: ModelConfig) -> AbstractMultimodalPipeline:
+    mm = model_config.multimodal_config
+    name = None if mm.multimodal_pipeline in (None, "auto") else mm.multimodal_pipeline
+    params = {"model_path": str(model_config.model), **mm.pipeline_params}
+    return load_pipeline(name, model_name=Path(model_config.model).name, params=params,
+                         pipelines_dir=mm.pipelines_dir)  # fmt: skip
+
+
+def _pipeline_processor(
+    model_config: ModelConfig, pipeline: AbstractMultimodalPipeline, tokenizer: Any
+) -> PipelineMultiModalProcessor:
     info = PipelineProcessingInfo(InputProcessingContext(model_config, tokenizer), pipeline)
-    cache = ProcessingCache.from_gb(mm.mm_processor_cache_gb)
-    processor = PipelineMultiModalProcessor(info, PipelineDummyInputsBuilder(info), cache=cache)
-    return pipeline, processor, model
+    cache = ProcessingCache.from_gb(model_config.multimodal_config.mm_processor_cache_gb)
+    return PipelineMultiModalProcessor(info, PipelineDummyInputsBuilder(info), cache=cache)

@@ -1,62 +1,58 @@
-"""Routing over data-parallel replicas (no processes here: tests/engine/test_replica.py and
-tests/entrypoints/openai/test_data_parallel_server.py run real ones): a prompt's first image or video
-keys it to the replica that got that key before; prompts without media, and new keys, go to the least
-loaded replica (ties to the lowest index); a named item (multi_modal_uuids) is keyed by its name."""
+"""Routing over data-parallel replicas (no processes here: tests/engine/test_replica.py,
+tests/engine/test_core_clients.py and tests/entrypoints/openai/test_data_parallel_server.py run real ones):
+a processed sequence's first item (its hash: the same pixels, or the same name in multi_modal_uuids, give
+the same key) keys it to the replica that got that key before; sequences without items, and new keys, go to
+the least loaded replica (ties to the lowest index). A dead replica is not routed around."""
 
 from __future__ import annotations
 
-import asyncio
-import pickle
+import queue
 
 import pytest
 
 from tessera import SamplingParams
-from tessera.engine.async_engine import EngineDeadError
-from tessera.engine.data_parallel import DataParallelEngine, Router, routing_key
-from tessera.engine.prompt import PromptInputs
-from tessera.engine.request import MultiModalItem
-from tessera.multimodal.video import VideoFrames
-from tessera.testing import random_images, random_video
+from tessera.engine.core_io import EngineCoreRequest
+from tessera.engine.data_parallel import DataParallelClient, Router, routing_key
+from tessera.engine.llm_engine import LLMEngine, core_requests
+from tessera.errors import EngineDeadError
+from tessera.testing import random_images
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
+PARAMS = SamplingParams(max_tokens=1)
 
 
 def image_prompt(image, **extra):
-    return {"prompt": PROMPT, "multi_modal_data": {"image": image}, **extra}
+    return {"prompt": PROMPT.replace("<image>", "<image>" * (len(image) if isinstance(image, list) else 1)),
+            "multi_modal_data": {"image": image}, **extra}  # fmt: skip
 
 
-def test_equal_images_have_one_key_and_other_images_another():
+@pytest.fixture(scope="module")
+def front_end(tiny_llava_dir):
+    return LLMEngine.from_options(str(tiny_llava_dir), kv_cache_memory="16MiB")
+
+
+def key(front_end, prompt):
+    inputs = front_end.input_preprocessor.process(prompt, PARAMS)
+    (request,) = core_requests("r", inputs, PARAMS, front_end.max_model_len, 0.0)
+    return routing_key(request)
+
+
+def test_equal_images_have_one_key_and_other_images_another(front_end):
     a, b = random_images([(40, 30), (40, 30)], seed=3)
     a_again = random_images([(40, 30)], seed=3)[0]  # the same pixels, another object
-    assert routing_key(image_prompt(a)) == routing_key(image_prompt(a_again)) == routing_key(image_prompt([a, b]))
-    assert routing_key(image_prompt(b)) != routing_key(image_prompt(a))
-    assert routing_key(image_prompt([b, a])) == routing_key(image_prompt(b))  # the first item keys the prompt
+    first = key(front_end, image_prompt(a))
+    assert first == key(front_end, image_prompt(a_again)) == key(front_end, image_prompt([a, b]))
+    assert key(front_end, image_prompt(b)) != key(front_end, image_prompt(a))
+    assert key(front_end, image_prompt([b, a])) == key(front_end, image_prompt(b))  # the first item keys it
 
 
-def test_named_items_are_keyed_by_their_name_and_prompts_without_media_by_nothing():
+def test_named_items_are_keyed_by_their_name_and_prompts_without_media_by_nothing(front_end):
     a, b = random_images([(40, 30), (40, 30)], seed=4)
-    named = routing_key(image_prompt(a, multi_modal_uuids={"image": ["cat-1"]}))
-    assert named == routing_key(image_prompt(b, multi_modal_uuids={"image": "cat-1"})) == "uuid:image:cat-1"
-    assert routing_key(image_prompt([a, b], multi_modal_uuids={"image": [None, "x"]})) == routing_key(image_prompt(a))
-    for prompt in ("text", [1, 2, 3], {"prompt": "text"}, {"prompt_token_ids": [1]}, image_prompt([])):
-        assert routing_key(prompt) is None
-
-
-def test_videos_and_processed_prompts_have_keys():
-    video = random_video(4, 32, 32, seed=1)
-    key = routing_key({"prompt": "<video>", "multi_modal_data": {"video": video}})
-    assert key is not None and key.startswith("video:")
-    assert key == routing_key({"prompt": "<video>", "multi_modal_data": {"video": [video.copy()]}})
-    decoded = VideoFrames(video, fps=10.0, duration=0.4, total_num_frames=4, frames_indices=(0, 1, 2, 3))
-    assert routing_key({"prompt": "<video>", "multi_modal_data": {"video": [decoded]}}).startswith("video:")
-    assert pickle.loads(pickle.dumps(decoded)).frames_indices == (0, 1, 2, 3)  # crosses to a replica as it is
-    image = random_images([(40, 30)], seed=1)[0]
-    both = routing_key({"prompt": "", "multi_modal_data": {"video": video, "image": image}})
-    assert both == routing_key(image_prompt(image))  # images before videos
-    item = MultiModalItem("image", "abc123", None, None)
-    assert routing_key(PromptInputs("p", [1, 2], [item])) == "hash:abc123"
-    assert routing_key(PromptInputs("p", [1, 2], [])) is None
-    assert routing_key({"prompt": "", "multi_modal_data": {"image": object()}}) is None  # unhashable: no key
+    named = key(front_end, image_prompt(a, multi_modal_uuids={"image": ["cat-1"]}))
+    assert named == key(front_end, image_prompt(b, multi_modal_uuids={"image": "cat-1"}))
+    assert named != key(front_end, image_prompt(a))
+    for prompt in ("text", [1, 2, 3], {"prompt": "text"}, {"prompt_token_ids": [1]}):
+        assert key(front_end, prompt) is None
 
 
 def test_router_keeps_keys_and_balances_the_rest():
@@ -83,51 +79,57 @@ def test_router_forgets_the_least_recently_used_key():
 
 class FakeReplica:
     def __init__(self, index):
-        self.index, self.requests, self.is_alive, self.dead = index, [], True, None
+        self.index, self.requests, self.dead, self.in_flight = index, [], None, set()
 
     @property
     def num_in_flight(self):
-        return len(self.requests)
+        return len(self.in_flight)
 
-    async def add_request(self, request_id, prompt, params):
-        self.requests.append(request_id)  # counted before the first await, as ReplicaClient does
-        await asyncio.sleep(0)
-        return request_id
+    def add_request(self, request):
+        self.requests.append(request.request_id)
+        self.in_flight.add(request.request_id)
+
+    def abort(self, ids, *, stopped=False):
+        self.in_flight.difference_update(ids)
+
+    def check_health(self):
+        if self.dead is not None:
+            raise self.dead
 
 
-def fake_engine(size):
-    engine = DataParallelEngine.__new__(DataParallelEngine)
-    engine.replicas = [FakeReplica(i) for i in range(size)]
-    engine.router, engine.dead, engine.on_dead = Router(size), None, []
-    return engine
+def fake_client(size):
+    client = DataParallelClient.__new__(DataParallelClient)
+    client.replicas = [FakeReplica(i) for i in range(size)]
+    client.router, client.owner, client.dead, client.on_dead = Router(size), {}, None, []
+    client.outputs = queue.SimpleQueue()
+    return client
 
 
-def test_the_engine_routes_by_image_and_counts_requests_in_flight():
-    engine = fake_engine(2)
+def sequence(front_end, request_id, prompt):
+    inputs = front_end.input_preprocessor.process(prompt, PARAMS)
+    (request,) = core_requests(request_id, inputs, PARAMS, front_end.max_model_len, 0.0)
+    return request
+
+
+def test_the_client_routes_by_image_and_counts_sequences_in_flight(front_end):
+    client = fake_client(2)
     cat, dog = random_images([(40, 30), (40, 30)], seed=7)
-    params = SamplingParams(max_tokens=1)
-
-    async def run():
-        await engine.add_request("cat-1", image_prompt(cat), params)  # replica 0 (tie)
-        await engine.add_request("text-1", "hello", params)  # replica 1 (least loaded)
-        await engine.add_request("dog-1", image_prompt(dog), params)  # tie again: replica 0
-        await engine.add_request("text-2", "hello", params)  # replica 1
-        await engine.add_request("text-3", "hello", params)  # tie: replica 0
-        await asyncio.gather(*(engine.add_request(f"cat-{i}", image_prompt(cat), params) for i in (2, 3)))
-        await engine.add_request("dog-2", image_prompt(dog), params)
-
-    asyncio.run(run())
-    first = engine.replicas[0].requests
-    assert first[:3] == ["cat-1", "dog-1", "text-3"] and set(first[3:5]) == {"cat-2", "cat-3"} and first[5] == "dog-2"
-    assert engine.replicas[1].requests == ["text-1", "text-2"]
+    for request_id, prompt in [("cat-1", image_prompt(cat)), ("text-1", "hello"), ("dog-1", image_prompt(dog)),
+                               ("text-2", "hello"), ("text-3", "hello"), ("cat-2", image_prompt(cat)),
+                               ("dog-2", image_prompt(dog))]:  # fmt: skip
+        client.add_request(sequence(front_end, request_id, prompt))
+    assert client.replicas[0].requests == ["cat-1", "dog-1", "text-3", "cat-2", "dog-2"]
+    assert client.replicas[1].requests == ["text-1", "text-2"]
+    assert client.loads() == [5, 2] and client.has_unfinished_requests()
+    client.abort(["cat-1", "text-1", "unknown"])
+    assert client.loads() == [4, 1] and "cat-1" not in client.owner
 
 
-def test_the_engine_refuses_requests_once_a_replica_is_dead():
-    engine = fake_engine(2)
-    engine.replicas[1].is_alive = False
-    engine.replicas[1].dead = EngineDeadError("Engine replica 1 (pid 1) died (exit code -9, killed by SIGKILL)")
-    assert not engine.is_alive
-
+def test_the_client_refuses_requests_once_a_replica_is_dead():
+    client = fake_client(2)
+    client.replicas[1].dead = EngineDeadError("Engine replica 1 (pid 1) died (exit code -9, killed by SIGKILL)")
     with pytest.raises(EngineDeadError, match="replica 1"):
-        asyncio.run(engine.add_request("r", "hello", SamplingParams()))
-    assert engine.replicas[0].requests == engine.replicas[1].requests == []  # a dead replica is not routed around
+        client.add_request(EngineCoreRequest("r", [1, 2], PARAMS))
+    with pytest.raises(EngineDeadError, match="replica 1"):
+        client.step()
+    assert client.replicas[0].requests == client.replicas[1].requests == []  # a dead replica is not routed around

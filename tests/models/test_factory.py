@@ -8,6 +8,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tessera.config import ModelConfig, MultiModalConfig
 from tessera.models.factory import BuiltModel, build_model
+from tessera.testing import random_images
 from tessera.tokenizer_utils import load_tokenizer
 
 
@@ -19,7 +20,7 @@ def test_a_multimodal_folder_gets_its_registered_processor(tiny_llava_dir):
     assert type(built.model).__name__ == "LlavaForConditionalGeneration" and not built.model.training
     assert type(built.processor).__name__ == "LlavaMultiModalProcessor" and built.pipeline is None
     assert built.processor.info.get_tokenizer() is tokenizer
-    renderer, image_text = built.chat_renderer()
+    renderer, image_text = built.inputs.chat_renderer()
     assert type(renderer).__name__ == "LlavaProcessor" and image_text is None
 
 
@@ -33,7 +34,7 @@ def test_a_text_model_has_no_processor_and_renders_chat_with_its_tokenizer(tmp_p
     built = build_model(config, tokenizer)
     assert type(built.model).__name__ == "LlamaForCausalLM"
     assert built.processor is None and built.pipeline is None
-    assert built.chat_renderer() == (tokenizer, None)
+    assert built.inputs.chat_renderer() == (tokenizer, None)
 
 
 def test_unsupported_architectures_fail_even_in_pipeline_mode(tmp_path, tiny_llava_dir):
@@ -84,3 +85,22 @@ def test_an_mrope_config_builds_a_model_that_supports_mrope(tmp_path):
     config = ModelConfig(str(folder), device="cpu")
     model = build_model(config, load_tokenizer(config)).model
     assert isinstance(model.model.layers[0].self_attn.rotary_emb, MRotaryEmbedding)
+
+
+def test_build_processor_gives_the_models_processor_side_without_its_weights(tiny_llava_dir, monkeypatch):
+    """What a front-end over cores in other processes builds: the same processor, renderer and placeholder
+    texts as the loaded model's, and no weights read."""
+    from tessera.models import factory
+
+    config = ModelConfig(str(tiny_llava_dir), device="cpu")
+    tokenizer = load_tokenizer(config)
+    loaded = build_model(config, tokenizer).inputs
+    monkeypatch.setattr(factory, "load_model", lambda *a, **k: pytest.fail("build_processor loaded weights"))
+    built = factory.build_processor(config, tokenizer)
+    assert type(built.processor) is type(loaded.processor) and built.model_cls is loaded.model_cls
+    assert type(built.chat_renderer()[0]) is type(loaded.chat_renderer()[0])
+    assert built.model_cls.get_placeholder_str("image", 0) == loaded.model_cls.get_placeholder_str("image", 0)
+    prompt, image = "USER: <image>\nWhat is this? ASSISTANT:", random_images([(40, 30)], seed=2)[0]
+    ours = built.processor.apply(prompt, {"image": image}, {})
+    theirs = loaded.processor.apply(prompt, {"image": image}, {})
+    assert ours["prompt_token_ids"] == theirs["prompt_token_ids"] and ours["mm_hashes"] == theirs["mm_hashes"]

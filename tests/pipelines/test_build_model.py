@@ -19,4 +19,4 @@ def test_pipeline_mode_builds_the_text_model_under_the_pipeline(llava_parts):
     assert built.pipeline.name() == "llava-v1.5-7b" and built.model.pipeline is built.pipeline
     assert type(built.model.language_model).__name__ == "LlamaForCausalLM"
     assert built.pipeline.tokenizer is tokenizer and built.pipeline.text_model is built.model.language_model
-    assert built.chat_renderer() == (tokenizer, IMAGE_MARKER)
+    assert built.inputs.chat_renderer() == (tokenizer, IMAGE_MARKER)

@@ -23,6 +23,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from ...engine.engine_client import EngineClient
 from ...errors import ServerBusyError
 from ...multimodal.media import MediaPolicy
 from .body_limit import BodySizeLimit
@@ -41,7 +42,7 @@ __all__ = ["build_app", "serve", "ServerThread"]
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     *,
     model_name: str,
     api_key: Optional[str] = None,
@@ -56,7 +57,7 @@ def build_app(
     media_io_kwargs: Optional[dict[str, Any]] = None,
     tool_call_parser: Optional[str] = None,
 ) -> FastAPI:
-    """The app for a running AsyncEngine; `api_key` guards /v1/* and /tokenize. The default media
+    """The app for a running engine (an `AsyncEngine`); `api_key` guards /v1/* and /tokenize. The default media
     policy fetches public http(s) URLs and reads no local files; `allowed_media_dir`,
     `image_fetch_timeout` and `image_fetch_max_bytes` (the options before MediaPolicy) adjust it.
     `media_io_kwargs` ({"video": {"num_frames": N, "fps": F}}): how videos are sampled unless a
@@ -258,9 +259,7 @@ def serve(
     if app_options.get("max_images_per_prompt") is not None:
         engine_options["limit_mm_per_prompt"] = {"image": app_options["max_images_per_prompt"]}
     if data_parallel_size != 1:
-        from ...engine.data_parallel import DataParallelEngine
-
-        engine: Any = DataParallelEngine(model, engine_options, data_parallel_size)
+        engine = AsyncEngine(LLMEngine.data_parallel(model, engine_options, data_parallel_size))
     else:
         engine = AsyncEngine(LLMEngine.from_options(model, **engine_options))
     app = build_app(engine, model_name=served_model_name or Path(model).name, **app_options)

@@ -5,7 +5,7 @@ Two families: Tessera's own (`tessera_*`), and vLLM v1's names and meanings (`vl
 The request-level `vllm:` series (token counters, latency histograms, `request_success`) are counted when
 a request ends, from its RequestMetrics; the scheduler-level ones (running / waiting, KV-cache usage,
 prefix-cache queries and hits, preemptions) are read from the engine's `stats()` at each scrape: live for the
-in-process engine; with data parallelism (`DataParallelEngine`) the sum over the replicas of the snapshots they
+in-process engine; with data parallelism (`DataParallelClient`) the sum over the replicas of the snapshots they
 push (at most a quarter of a second old, and fresh once a replica goes idle).
 
 Per replica (labelled `replica="0"`, `"1"`, ...; one replica, "0", without data parallelism):
@@ -53,8 +53,8 @@ Stats = Callable[[], dict[str, int]]
 
 
 def _stats_source(engine: Any) -> tuple[Stats, Callable[[], list[dict[str, int]]]]:
-    """(the engine's stats, its replicas' stats) for an AsyncEngine or DataParallelEngine (`stats()`, and
-    `replica_stats()` where it has replicas), or an LLMEngine (read live)."""
+    """(the engine's stats, its replicas' stats): an EngineClient's `stats()` and `replica_stats()` (an
+    LLMEngine, which has no `replica_stats()`, counts as one replica)."""
     stats = engine.stats
     replicas = getattr(engine, "replica_stats", None) or (lambda: [stats()])
     return stats, replicas
@@ -66,7 +66,7 @@ def _rate(hits: int, queries: int) -> float:
 
 class ServerMetrics:
     def __init__(self, engine: Any, model_name: Optional[str] = None) -> None:
-        """`engine`: what the server serves (AsyncEngine, DataParallelEngine), read through its `stats()`."""
+        """`engine`: what the server serves (an EngineClient), read through its `stats()`."""
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
             "tessera_requests", "Requests by how they ended: stop, length, abort (client gone) or error (refused)",

@@ -13,7 +13,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
-from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
+from ...engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
+from ...engine.engine_client import EngineClient
 from ...engine.chat_utils import ContentFormat, parse_chat_media
 from ...engine.prompt import check_text_length
 from ...errors import InputError
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 class OpenAIServing:
     def __init__(
         self,
-        engine: AsyncEngine,  # or a DataParallelEngine: the same surface
+        engine: EngineClient,
         metrics: ServerMetrics,
         model_name: str,
         media: AsyncMediaLoader,

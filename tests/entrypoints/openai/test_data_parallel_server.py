@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from tessera.engine.async_engine import AsyncEngine
-from tessera.engine.data_parallel import DataParallelEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
 from tessera.testing import random_images
@@ -34,10 +33,14 @@ def data_url(image) -> str:
 
 @pytest.fixture(scope="module")
 def dp_engine(tiny_llava_dir):
-    engine = DataParallelEngine(str(tiny_llava_dir), OPTIONS, 2)
+    engine = AsyncEngine(LLMEngine.data_parallel(str(tiny_llava_dir), OPTIONS, 2))
     yield engine
     engine.shutdown()
-    assert all(replica.child_process.exitcode is not None for replica in engine.replicas)  # none left behind
+    assert all(replica.child_process.exitcode is not None for replica in replicas(engine))  # none left behind
+
+
+def replicas(engine):
+    return engine.engine.core.replicas
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +110,6 @@ def test_both_replicas_serve_and_the_gauges_sum_them(dp_engine, dp_url):
 
 
 def test_a_repeated_image_goes_to_the_replica_that_has_it(dp_engine, dp_url):
-    import asyncio
-
     image = data_url(random_images([(40, 30)], seed=99)[0])  # an image no replica has seen
 
     def ask(text: str) -> None:
@@ -116,14 +117,14 @@ def test_a_repeated_image_goes_to_the_replica_that_has_it(dp_engine, dp_url):
         answer(dp_url, "/v1/chat/completions", {"messages": [{"role": "user", "content": content}], "max_tokens": 2})
 
     wait_until_idle(dp_url)
-    before = asyncio.run(dp_engine.refresh_stats())
+    before = dp_engine.engine.core.refresh_stats()
     ask("What is this?")
-    first = asyncio.run(dp_engine.refresh_stats())
+    first = dp_engine.engine.core.refresh_stats()
     owner = next(i for i in range(2) if first[i]["prefix_cache_queries"] > before[i]["prefix_cache_queries"])
     other = 1 - owner
     for text in ("What is this?", "And now?", "Once more?"):  # the image's blocks are cached on the owner
         ask(text)
-    after = asyncio.run(dp_engine.refresh_stats())
+    after = dp_engine.engine.core.refresh_stats()
     assert after[owner]["prefix_cache_hits"] > first[owner]["prefix_cache_hits"]
     assert after[owner]["encoder_cache_queries"] >= first[owner]["encoder_cache_queries"]
     for key in ("prefix_cache_queries", "prefix_cache_hits"):
@@ -134,8 +135,7 @@ def test_a_repeated_image_goes_to_the_replica_that_has_it(dp_engine, dp_url):
 
 
 def test_serve_builds_replicas_with_the_engine_options(monkeypatch):
-    """`serve(data_parallel_size=2)` hands the engine options, as a dict, to a DataParallelEngine."""
-    from tessera.engine import data_parallel
+    """`serve(data_parallel_size=2)` hands the engine options, as a dict, to `LLMEngine.data_parallel`."""
     from tessera.entrypoints.openai import api_server
 
     seen = {}
@@ -147,7 +147,7 @@ def test_serve_builds_replicas_with_the_engine_options(monkeypatch):
         seen.update(model=model, options=engine_options, size=size)
         raise Recorded
 
-    monkeypatch.setattr(data_parallel, "DataParallelEngine", record)
+    monkeypatch.setattr(LLMEngine, "data_parallel", record)
     with pytest.raises(Recorded):
         api_server.serve("/some/model", kv_cache_memory="16MiB", max_images_per_prompt=2, data_parallel_size=2)
     assert seen == {"model": "/some/model", "size": 2,
@@ -182,7 +182,7 @@ def test_a_killed_replica_fails_its_requests_and_health_turns_503(dp_engine, dp_
         assert time.monotonic() < deadline
         time.sleep(0.01)
     victim = next(i for i, s in enumerate(dp_engine.replica_stats()) if s["in_flight"])
-    os.kill(dp_engine.replicas[victim].pid, signal.SIGKILL)
+    os.kill(replicas(dp_engine)[victim].pid, signal.SIGKILL)
     killed_at = time.monotonic()
     while httpx.get(dp_url + "/health").status_code != 503:
         assert time.monotonic() - killed_at < 2, "/health still says ok"
