@@ -19,7 +19,7 @@ from collections import defaultdict
 
 from benchmarks.bench_model import bench_model
 from tessera import LLM, SamplingParams
-from tessera.engine import model_runner
+from tessera.engine.core import model_runner
 from tessera.layers.attention import PagedAttention
 from tessera.layers.layernorm import RMSNorm
 from tessera.layers.linear import Linear

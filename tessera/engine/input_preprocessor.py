@@ -15,8 +15,8 @@ from ..config import ModelConfig
 from ..errors import InputError
 from ..multimodal.inline_images import inline_images_to_prompt
 from ..sampling_params import SamplingParams
-from .core_io import EngineLimits
 from .chat_utils import ContentFormat, ImageLoader, Message, Placeholder, VideoLoader, render_chat, render_plain
+from .core.core_io import EngineLimits
 from .prompt import PromptInputs, PromptType, longest_token_chars, process_prompt
 
 

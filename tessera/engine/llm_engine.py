@@ -19,13 +19,13 @@ from ..models.factory import BuiltProcessor, build_processor
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer_utils import load_tokenizer
-from .core_client import EngineCoreClient
-from .core_io import EngineCoreRequest, EngineLimits
-from .engine_core import EngineCore
+from .core.client import EngineCoreClient
+from .core.core_io import EngineCoreRequest, EngineLimits
+from .core.structured_output import StructuredOutputManager
+from .executor.local_core import start_core
 from .input_preprocessor import InputPreprocessor
 from .output_processor import OutputProcessor
 from .prompt import PromptInputs, PromptType
-from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class LLMEngine:
         replicas; it is shut down with this engine), or over an `EngineCore` built here from the configs."""
         self.model_config = model_config
         if core is None:
-            local = EngineCore(model_config, cache_config, scheduler_config, parallel_config)
+            local = start_core(model_config, cache_config, scheduler_config, parallel_config)
             inputs, grammars = local.built.inputs, local.structured_output  # one grammar cache for both sides
             core = local
         else:
@@ -74,7 +74,7 @@ class LLMEngine:
     def data_parallel(cls, model: str, engine_options: Optional[dict[str, Any]] = None, size: int = 2) -> "LLMEngine":
         """A front-end here over `size` engine cores, each in a process of its own with the same options
         (`DataParallelClient`); prompts are processed here and each replica gets processed requests."""
-        from .data_parallel import DataParallelClient
+        from .executor.data_parallel import DataParallelClient
 
         configs = engine_configs(model, **(engine_options or {}))  # bad options fail before any process starts
         return cls(*configs, core=DataParallelClient(model, engine_options, size))

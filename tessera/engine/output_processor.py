@@ -17,10 +17,10 @@ from typing import Any, Optional
 
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams
-from .core_io import EngineCoreOutput
+from .core.core_io import EngineCoreOutput
+from .core.request import RequestStatus
 from .detokenizer import IncrementalDetokenizer
 from .prompt import PromptInputs
-from .request import RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
 from ..errors import InputError, InputTooLargeError
-from .request import MultiModalItem
+from .core.request import MultiModalItem, processed_items
 
 logger = logging.getLogger(__name__)
 
@@ -63,15 +63,6 @@ def process_prompt(engine: PromptContext, prompt: PromptType, truncate_to: Optio
     mm_uuids = _checked_mm_uuids(prompt.get("multi_modal_uuids"), engine.processor.data_parser, mm_data)
     processed = engine.processor.apply(text if token_ids is None else token_ids, mm_data, mm_kwargs, mm_uuids=mm_uuids)
     return _truncated(PromptInputs(text, processed["prompt_token_ids"], processed_items(processed)), truncate_to)
-
-
-def processed_items(processed: Mapping[str, Any]) -> list[MultiModalItem]:
-    """A processor's output (`MultiModalInputs`) as items: modality, hash, kwargs and placeholder each."""
-    return [
-        MultiModalItem(modality, processed["mm_hashes"][modality][i], processed["mm_kwargs"].get_item(modality, i), p)
-        for modality, placeholders in processed["mm_placeholders"].items()
-        for i, p in enumerate(placeholders)
-    ]
 
 
 def _checked_mm_processor_kwargs(kwargs: Any) -> Mapping[str, Any]:

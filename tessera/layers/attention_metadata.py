@@ -38,7 +38,7 @@ class AttentionMetadata:
 
     context_blocks: list[torch.Tensor]
     """Per sequence, the blocks holding its context, in order. With a window on every layer, the
-    engine may have released blocks no query of the step sees (engine/block_manager.py): their
+    engine may have released blocks no query of the step sees (engine/core/block_manager.py): their
     entries are a placeholder, never gathered (windowed paths start at the first visible key)."""
 
     decode_rows: torch.Tensor

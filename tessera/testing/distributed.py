@@ -37,7 +37,7 @@ def run_on_ranks(groups: list[TensorParallelGroup], fn: Callable[[TensorParallel
 @contextlib.contextmanager
 def recorded_logits() -> Iterator[list[torch.Tensor]]:
     """Every logits tensor rank 0 samples from, step by step, while inside."""
-    from ..engine import model_runner
+    from ..engine.core import model_runner
 
     steps: list[torch.Tensor] = []
     sample = model_runner.sample

@@ -13,9 +13,9 @@ import pytest
 from tessera import LLM, SamplingParams
 from tessera.config import engine_configs
 from tessera.engine.async_engine import AsyncEngine
-from tessera.engine.data_parallel import DataParallelClient
+from tessera.engine.executor.data_parallel import DataParallelClient
 from tessera.engine.llm_engine import LLMEngine
-from tessera.engine.replica import ReplicaClient
+from tessera.engine.executor.replica import ReplicaClient
 from tessera.multimodal.hasher import MultiModalHasher
 from tessera.multimodal.video import decode_video
 from tessera.testing import random_images, video_bytes

@@ -104,7 +104,7 @@ def test_chat_survives_a_bad_image_and_a_failed_turn(tiny_llava_dir, image_file,
     """Each problem is one line; the conversation goes on with what it had."""
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not an image")
-    from tessera.engine.model_runner import ModelRunner
+    from tessera.engine.core.model_runner import ModelRunner
 
     execute, calls = ModelRunner.execute, []
 

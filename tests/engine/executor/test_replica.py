@@ -14,9 +14,9 @@ import pytest
 
 from tessera import LLM, SamplingParams
 from tessera.config import engine_configs
-from tessera.engine.core_io import EngineCoreRequest
+from tessera.engine.core.core_io import EngineCoreRequest
 from tessera.engine.llm_engine import LLMEngine
-from tessera.engine.replica import ReplicaClient
+from tessera.engine.executor.replica import ReplicaClient
 from tessera.errors import EngineDeadError
 from tessera.sampling_params import StructuredOutputsParams
 from tessera.testing import random_images

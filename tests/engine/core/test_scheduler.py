@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from tessera.config import SchedulerConfig
-from tessera.engine.block_manager import BlockManager
-from tessera.engine.encoder_cache import EncoderCache
-from tessera.engine.request import MultiModalItem, Request, RequestStatus
-from tessera.engine.scheduler import Scheduler
+from tessera.engine.core.block_manager import BlockManager
+from tessera.engine.core.encoder_cache import EncoderCache
+from tessera.engine.core.request import MultiModalItem, Request, RequestStatus
+from tessera.engine.core.scheduler import Scheduler
 from tessera.multimodal.inputs import MultiModalKwargsItem, PlaceholderRange
 from tessera.sampling_params import SamplingParams
 

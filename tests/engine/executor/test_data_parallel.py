@@ -1,4 +1,4 @@
-"""Routing over data-parallel replicas (no processes here: tests/engine/test_replica.py,
+"""Routing over data-parallel replicas (no processes here: tests/engine/executor/test_replica.py,
 tests/engine/test_core_clients.py and tests/entrypoints/openai/test_data_parallel_server.py run real ones):
 a processed sequence's first item (its hash: the same pixels, or the same name in multi_modal_uuids, give
 the same key) keys it to the replica that got that key before; sequences without items, and new keys, go to
@@ -11,8 +11,8 @@ import queue
 import pytest
 
 from tessera import SamplingParams
-from tessera.engine.core_io import EngineCoreRequest
-from tessera.engine.data_parallel import DataParallelClient, Router, routing_key
+from tessera.engine.core.core_io import EngineCoreRequest
+from tessera.engine.executor.data_parallel import DataParallelClient, Router, routing_key
 from tessera.engine.llm_engine import LLMEngine, core_requests
 from tessera.errors import EngineDeadError
 from tessera.testing import random_images

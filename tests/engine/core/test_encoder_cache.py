@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.engine.encoder_cache import EncoderCache
+from tessera.engine.core.encoder_cache import EncoderCache
 
 
 def rows(n, value=0.0):

@@ -12,7 +12,7 @@ import threading
 import traceback
 from typing import Any, Optional
 
-from ...config import ModelConfig
+from ....config import ModelConfig
 from .base import WorkerGroup
 from .worker import run_worker
 

@@ -3,7 +3,7 @@ of the language model and run every step in lockstep with rank 0 (this process).
 
 from __future__ import annotations
 
-from ...config import ModelConfig, ParallelConfig
+from ....config import ModelConfig, ParallelConfig
 from .base import WorkerGroup
 
 

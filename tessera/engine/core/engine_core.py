@@ -20,29 +20,38 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
-from ..config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from ..distributed import get_tp_group, tensor_parallel_group
-from ..errors import WorkerDiedError
-from ..layers.kv_cache import kv_cache_bytes_per_block, kv_window
-from ..models.factory import build_model
-from ..multimodal.profiling import MultiModalProfiler
-from ..sampling_params import SamplingParams
-from ..tokenizer_utils import load_tokenizer
+from ...config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from ...distributed import get_tp_group, tensor_parallel_group
+from ...errors import WorkerDiedError
+from ...layers.kv_cache import kv_cache_bytes_per_block, kv_window
+from ...models.factory import build_model
+from ...multimodal.profiling import MultiModalProfiler
+from ...sampling_params import SamplingParams
+from ...tokenizer_utils import load_tokenizer
 from .block_manager import BlockManager
 from .core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest, EngineLimits
 from .encoder_cache import EncoderCache
-from .model_runner import EncoderInputError, ModelRunner
-from .prompt import processed_items
-from .request import Request, RequestStatus
+from .model_runner import EncoderInputError, ModelRunner, TensorParallelRanks
+from .request import Request, RequestStatus, processed_items
 from .scheduler import Scheduler, SchedulerOutput
 from .structured_output import StructuredOutputManager
-from .workers import WorkerGroup, start_workers
 
 logger = logging.getLogger(__name__)
 
 PROFILE_REQUEST = "__profile__"
+
+
+class TensorParallelWorkers(TensorParallelRanks, Protocol):
+    """The other tensor-parallel ranks (`executor.workers.WorkerGroup`), started before the core."""
+
+    group: Any  # the process group this rank joins for the language model's layers
+    on_death: list[Callable[[BaseException], None]]
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class EngineCore:
@@ -52,18 +61,18 @@ class EngineCore:
         cache_config: Optional[CacheConfig] = None,
         scheduler_config: Optional[SchedulerConfig] = None,
         parallel_config: Optional[ParallelConfig] = None,
+        *,
+        workers: Optional[TensorParallelWorkers] = None,
     ) -> None:
+        """`workers`: the other tensor-parallel ranks, already started (`executor.start_core` starts them);
+        the core shuts them down with itself, also when it fails to start."""
         self.model_config = model_config
         self.cache_config = cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config = scheduler_config or SchedulerConfig()
-        self.parallel_config = parallel_config = parallel_config or ParallelConfig()
-        self.tokenizer = load_tokenizer(model_config)
-        self.workers: Optional[WorkerGroup] = None
-        if parallel_config.tensor_parallel_size > 1:
-            if model_config.multimodal_config.uses_pipeline:
-                raise ValueError("Vision pipelines do not support tensor parallelism; use tensor_parallel_size=1.")
-            self.workers = start_workers(model_config, parallel_config)
+        self.parallel_config = parallel_config or ParallelConfig()
+        self.workers = workers
         try:
+            self.tokenizer = load_tokenizer(model_config)
             self._init(model_config, cache_config, scheduler_config)
         except BaseException:
             self.shutdown()

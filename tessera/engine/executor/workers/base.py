@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 import torch
 
-from ...config import ModelConfig, ParallelConfig
-from ...distributed import TensorParallelGroup, create_store, init_tensor_parallel_group
-from ...errors import WorkerDiedError
+from ....config import ModelConfig, ParallelConfig
+from ....distributed import TensorParallelGroup, create_store, init_tensor_parallel_group
+from ....errors import WorkerDiedError
 from .worker import joined_key
 
 logger = logging.getLogger(__name__)

@@ -9,11 +9,11 @@ from torch import nn
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
 from tessera.config import SchedulerConfig
-from tessera.engine.block_manager import BlockManager
-from tessera.engine.encoder_cache import EncoderCache
-from tessera.engine.model_runner import ModelRunner
-from tessera.engine.request import MultiModalItem, Request
-from tessera.engine.scheduler import Scheduler
+from tessera.engine.core.block_manager import BlockManager
+from tessera.engine.core.encoder_cache import EncoderCache
+from tessera.engine.core.model_runner import ModelRunner
+from tessera.engine.core.request import MultiModalItem, Request
+from tessera.engine.core.scheduler import Scheduler
 from tessera.layers.attention import PagedAttention, get_attention_metadata
 from tessera.models.interfaces import SupportsMRoPE, SupportsMultiModal
 from tessera.models.mrope_positions import VisionGrid, mrope_input_positions

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from ...config import ModelConfig
+from ....config import ModelConfig
 from .base import WorkerGroup
 from .worker import run_worker
 

@@ -2,8 +2,8 @@
 core runs (vLLM v1's EngineCoreClient):
 
 - in this thread: `EngineCore` itself (the offline `LLM`, and the server's engine thread);
-- in a child process: `ReplicaClient` (engine/replica.py), the core fed processed requests over a pipe;
-- over N child processes: `DataParallelClient` (engine/data_parallel.py), a router in front of N replicas.
+- in a child process: `ReplicaClient` (engine/executor/replica.py), the core fed processed requests over a pipe;
+- over N child processes: `DataParallelClient` (engine/executor/data_parallel.py), a router in front of N replicas.
 
 Every call comes from one thread, the front-end's. `step()` returns the next outputs: an in-thread core runs a
 step; a remote one waits until outputs arrive, `wake()` is called, or the core dies (then it raises

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
-from .core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
+from ..core.core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from .replica import ReplicaClient, next_outputs
 
 logger = logging.getLogger(__name__)

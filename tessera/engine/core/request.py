@@ -9,9 +9,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..multimodal.inputs import MultiModalKwargsItem, PlaceholderRange
-from ..outputs import RequestMetrics
-from ..sampling_params import SamplingParams
+from ...multimodal.inputs import MultiModalKwargsItem, PlaceholderRange
+from ...outputs import RequestMetrics
+from ...sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -143,3 +143,12 @@ class Request:
 
     def __repr__(self) -> str:
         return f"Request({self.request_id}, {self.status.value}, {self.num_computed_tokens}/{self.num_tokens})"
+
+
+def processed_items(processed: Mapping[str, Any]) -> list[MultiModalItem]:
+    """A processor's output (`MultiModalInputs`) as items: modality, hash, kwargs and placeholder each."""
+    return [
+        MultiModalItem(modality, processed["mm_hashes"][modality][i], processed["mm_kwargs"].get_item(modality, i), p)
+        for modality, placeholders in processed["mm_placeholders"].items()
+        for i, p in enumerate(placeholders)
+    ]

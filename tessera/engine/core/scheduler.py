@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import SchedulerConfig
+from ...config import SchedulerConfig
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
 from .request import MultiModalItem, Request, RequestStatus

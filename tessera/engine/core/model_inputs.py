@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from ..layers.attention import AttentionMetadata, attention_metadata
-from ..models.interfaces import supports_multimodal
+from ...layers.attention import AttentionMetadata, attention_metadata
+from ...models.interfaces import supports_multimodal
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The replica process's side of `engine/replica.py`: build the `EngineCore`, say "ready" with its start-up
+"""The replica process's side of `engine/executor/replica.py`: build the `EngineCore`, say "ready" with its start-up
 info, then step it while it has work, taking the parent's commands from the pipe between steps, until told
 to stop or until the parent goes away. Messages both ways are pickled tuples:
 
@@ -21,10 +21,10 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ..errors import InputError
-from ..outputs import RequestMetrics
-from .core_io import EngineCoreOutput, EngineCoreRequest
-from .request import RequestStatus
+from ...errors import InputError
+from ...outputs import RequestMetrics
+from ..core.core_io import EngineCoreOutput, EngineCoreRequest
+from ..core.request import RequestStatus
 
 STATS_INTERVAL = 0.25  # seconds: the most often a replica pushes its stats while busy
 
@@ -47,10 +47,10 @@ def replica_main(conn: Connection, index: int, model: str, engine_options: dict[
             conn.send_bytes(data)
 
     try:
-        from ..config import engine_configs
-        from .engine_core import EngineCore
+        from ...config import engine_configs
+        from .local_core import start_core
 
-        core = EngineCore(*engine_configs(model, **engine_options))
+        core = start_core(*engine_configs(model, **engine_options))
     except BaseException as e:
         try:
             bad_input = isinstance(e, (ValueError, OSError))

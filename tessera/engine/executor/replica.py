@@ -1,6 +1,6 @@
 """An engine core in a local process of its own, and the client the front-end's process drives it with.
 
-The child (`engine/replica_process.py`) builds an `EngineCore` from the engine options and steps it while
+The child (`engine/executor/replica_process.py`) builds an `EngineCore` from the engine options and steps it while
 it has work. Requests reach it processed (`EngineCoreRequest`: token ids, items with their hashes and
 tensors), so the child never renders a chat, loads an image or runs the HF processor, and each item is
 hashed once, by the front-end. The child sends back each step's `EngineCoreOutput`s, the rejection of a
@@ -32,8 +32,8 @@ from concurrent.futures import Future
 from multiprocessing.connection import wait as wait_for
 from typing import Any, Optional
 
-from ..errors import EngineDeadError
-from .core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
+from ...errors import EngineDeadError
+from ..core.core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from .replica_process import dumps, replica_main
 
 logger = logging.getLogger(__name__)

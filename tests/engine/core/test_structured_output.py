@@ -11,7 +11,7 @@ import re
 import pytest
 
 from tessera import LLM, TINY_DEMO_MODEL
-from tessera.engine.structured_output import StructuredOutputManager, choice_grammar
+from tessera.engine.core.structured_output import StructuredOutputManager, choice_grammar
 from tessera.errors import InputError
 from tessera.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -146,7 +146,7 @@ def test_the_grammar_cache_is_bounded_and_hits_repeats(llm):
 
 def test_the_cache_key_keeps_property_order():
     # the output writes properties in the schema's order, so two orders are two grammars
-    from tessera.engine.structured_output import _key
+    from tessera.engine.core.structured_output import _key
 
     one = StructuredOutputsParams(json={"properties": {"a": {}, "b": {}}})
     two = StructuredOutputsParams(json={"properties": {"b": {}, "a": {}}})

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..errors import InputError
-from ..outputs import RequestMetrics
-from ..sampling_params import SamplingParams
+from ...errors import InputError
+from ...outputs import RequestMetrics
+from ...sampling_params import SamplingParams
 from .request import MultiModalItem, RequestStatus
 
 

@@ -8,11 +8,11 @@ from typing import Optional
 
 import torch
 
-from ...config import ModelConfig
-from ...distributed import create_store, init_tensor_parallel_group, tensor_parallel_group
-from ...models.loader import load_model
-from ..model_inputs import run_model
-from ..model_runner import prepare_model_for_steps
+from ....config import ModelConfig
+from ....distributed import create_store, init_tensor_parallel_group, tensor_parallel_group
+from ....models.loader import load_model
+from ...core.model_inputs import run_model
+from ...core.model_runner import prepare_model_for_steps
 
 logger = logging.getLogger(__name__)
 

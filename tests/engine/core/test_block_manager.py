@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.engine.block_manager import PLACEHOLDER, BlockManager
-from tessera.engine.request import MultiModalItem, Request
+from tessera.engine.core.block_manager import PLACEHOLDER, BlockManager
+from tessera.engine.core.request import MultiModalItem, Request
 from tessera.multimodal.inputs import MultiModalKwargsItem, PlaceholderRange
 from tessera.sampling_params import SamplingParams
 

@@ -14,15 +14,15 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from ..errors import WorkerDiedError
-from ..layers.cpu_kernels import describe_cpu_kernels
-from ..layers.kv_cache import allocate_kv_cache
-from ..layers.linear import pack_linears_for_cpu
-from ..layers.sampler import SamplerOutput, sample
-from ..models.interfaces import supports_mrope, supports_multimodal
-from ..models.mrope_positions import decode_positions
-from ..multimodal.inputs import MultiModalKwargs
-from ..multimodal.utils import group_by_modality
+from ...errors import WorkerDiedError
+from ...layers.cpu_kernels import describe_cpu_kernels
+from ...layers.kv_cache import allocate_kv_cache
+from ...layers.linear import pack_linears_for_cpu
+from ...layers.sampler import SamplerOutput, sample
+from ...models.interfaces import supports_mrope, supports_multimodal
+from ...models.mrope_positions import decode_positions
+from ...multimodal.inputs import MultiModalKwargs
+from ...multimodal.utils import group_by_modality
 from .block_manager import BlockManager
 from .encoder_cache import EncoderCache
 from .model_inputs import ModelInputs, run_model

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ..errors import InputError
-from ..layers.sampler import TokenMask
-from ..sampling_params import StructuredOutputsParams
+from ...errors import InputError
+from ...layers.sampler import TokenMask
+from ...sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar

@@ -1,0 +1,1 @@
+"""The engine core: the scheduler and what a step touches, behind `EngineCore.step()`."""

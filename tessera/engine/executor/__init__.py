@@ -1,0 +1,2 @@
+"""Where engine cores and model ranks run besides this thread: tensor-parallel workers, a core in a
+child process, data-parallel replicas."""
