@@ -24,8 +24,8 @@ from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
 from tessera.multimodal.media import MediaPolicy
-from tessera.testing import png_bytes
-from tessera.testing.server import rss_bytes
+from testkit import png_bytes
+from testkit.server import rss_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE = "data:image/png;base64," + base64.b64encode((REPO / "examples" / "three_shapes.png").read_bytes()).decode()

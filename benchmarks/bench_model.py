@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tessera.testing import build_tiny_llava, build_tokenizer
+from testkit import build_tiny_llava, build_tokenizer
 
 VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
 TEXT = dict(
@@ -65,7 +65,7 @@ def build_qwen_vl(folder: Path, *, vision_overrides: dict, text_overrides: dict,
         Qwen2VLVideoProcessor,
     )
 
-    from tessera.testing.tokenizer import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_SPECIAL_TOKENS
+    from testkit.tokenizer import QWEN_VL_CHAT_TEMPLATE, QWEN_VL_SPECIAL_TOKENS
 
     tokenizer = build_tokenizer("qwen")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_VL_SPECIAL_TOKENS}

@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.bench_model import VISION
 from tessera import LLM, SamplingParams
-from tessera.testing import random_images
+from testkit import random_images
 
 TEXT_TP = dict(
     hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -37,7 +37,7 @@ OPTIONS = dict(dtype="float32", kv_cache_memory="1GiB")
 
 
 def model_folder() -> Path:
-    from tessera.testing import build_tiny_llava
+    from testkit import build_tiny_llava
 
     if not (FOLDER / "model.safetensors").is_file():
         start = time.perf_counter()

@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.testing import build_llava_15_shaped_processor_folder
+from testkit import build_llava_15_shaped_processor_folder
 
 PROMPT = "USER: <image>\n<image>\n<image>\n<image>\nWhat differs between these pictures? ASSISTANT:"
 

@@ -33,7 +33,7 @@ import torch
 from benchmarks.bench_model import bench_qwen_vl_model
 from benchmarks.bench_throughput import matmul_flops_per_second, time_hf_generate
 from tessera import LLM, SamplingParams
-from tessera.testing import random_images
+from testkit import random_images
 
 NUM_REQUESTS = 16
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.bench_model import bench_model
 from tessera import LLM, SamplingParams
-from tessera.testing import random_images
+from testkit import random_images
 
 NUM_REQUESTS, OUTPUT_TOKENS = 16, 128
 

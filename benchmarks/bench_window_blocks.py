@@ -20,7 +20,7 @@ import numpy as np
 from transformers import MistralConfig, MistralForCausalLM
 
 from tessera import LLM, SamplingParams
-from tessera.testing import build_tiny_text_model
+from testkit import build_tiny_text_model
 
 NUM_REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS, WINDOW, BLOCK_SIZE = 16, 100, 256, 64, 16
 SHAPE = dict(

@@ -15,7 +15,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.testing import build_tiny_llava
+from testkit import build_tiny_llava
 
 
 def draw_scene() -> Image.Image:

@@ -1,6 +1,6 @@
 import pytest
 
-from tessera.testing import build_tiny_fuyu, build_tiny_llava
+from testkit import build_tiny_fuyu, build_tiny_llava
 
 
 @pytest.fixture(scope="session")

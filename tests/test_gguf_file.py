@@ -1,5 +1,5 @@
 """tessera.gguf_file: finding a model's GGUF file, reading its tokenizer metadata, and the HF config
-and tokenizer corrected to it. Tiny GGUF files written here (tessera.testing.gguf), so these run
+and tokenizer corrected to it. Tiny GGUF files written here (testkit.gguf), so these run
 without a downloaded model; tests/test_real_weights.py checks SmolLM2's file."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from tessera.gguf_file import (
     read_gguf_metadata,
 )
 from tessera.tokenizer_utils import load_tokenizer
-from tessera.testing import build_tiny_gguf
-from tessera.testing.tokenizer import CHATML_TEMPLATE
+from testkit import build_tiny_gguf
+from testkit.tokenizer import CHATML_TEMPLATE
 from tessera.special_tokens import adds_special_token
 
 pytest.importorskip("gguf", reason="the gguf package writes and reads the test files (pip install gguf)")

@@ -12,7 +12,7 @@ from transformers import AutoProcessor, LlamaConfig, LlamaForCausalLM
 from transformers import LlavaForConditionalGeneration as HFLlava
 
 from tessera import LLM, SamplingParams
-from tessera.testing import CHATML_TEMPLATE, build_tiny_text_model, build_tokenizer, random_images
+from testkit import CHATML_TEMPLATE, build_tiny_text_model, build_tokenizer, random_images
 
 TEXT = "USER: What is this? ASSISTANT:"
 IMAGE_TEXT = "USER: <image>\nWhat is this? ASSISTANT:"

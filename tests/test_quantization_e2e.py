@@ -12,7 +12,7 @@ from tessera.layers.cpu_kernels import DEQUANT, ENV, NATIVE
 from tessera.layers.int4_kernels import INT4_MM
 from tessera.layers.linear import Linear
 from tessera.layers.quantization import dequantized_weight, quantized_values
-from tessera.testing.generation import greedy_logprobs
+from testkit.generation import greedy_logprobs
 
 PROMPTS = ["USER: Tell me about the sea. ASSISTANT:", "USER: hi ASSISTANT:"]
 METHODS = ["int8", "int4"]

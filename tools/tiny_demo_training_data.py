@@ -106,7 +106,7 @@ def make_scene_all_questions(rng: random.Random, size: int, shapes: list[dict]):
 
 
 def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on `texts`, shaped like llava-hf/llava-1.5's tokenizer (see tessera/testing)."""
+    """Byte-level BPE trained on `texts`, shaped like llava-hf/llava-1.5's tokenizer (see testkit)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

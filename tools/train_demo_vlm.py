@@ -119,7 +119,7 @@ def load_language_model(work: Path, seed: int, device: str):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from tessera.models.demo_vlm import CHAT_TEMPLATE, assemble_demo_vlm
-    from tessera.testing.demo_vlm import build_random_vision_dir
+    from testkit.demo_vlm import build_random_vision_dir
 
     folder = assemble_demo_vlm(work / "model", build_random_vision_dir(work / "vision0", seed=seed))
     tokenizer = AutoProcessor.from_pretrained(folder).tokenizer

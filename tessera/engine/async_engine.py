@@ -30,6 +30,7 @@ from typing import Any, Optional, TypeVar
 from ..errors import EngineDeadError, RequestFailedError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from .core.client import report_death
 from .llm_engine import LLMEngine
 from .prompt import PromptInputs
 
@@ -239,11 +240,7 @@ class AsyncEngine:
         except BaseException as e:  # the engine's own state is broken: fail every request, report death
             logger.exception("The engine thread stopped")
             self.dead = e
-            for callback in self.on_dead:  # first, so that whoever sees a stream fail sees them done
-                try:
-                    callback(e)
-                except Exception:
-                    logger.exception("An on_dead callback failed")
+            report_death(self.on_dead, e)  # first, so that whoever sees a stream fail sees them done
             for stream in self._streams.values():
                 stream.put(EngineDeadError(f"The engine stopped ({e}); the server must be restarted."))
             self._streams.clear()

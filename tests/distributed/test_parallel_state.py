@@ -7,7 +7,7 @@ import torch
 
 from tessera.distributed import divide, get_tp_group, tensor_parallel_group
 from tessera.distributed.parallel_state import SINGLE_RANK
-from tessera.testing.distributed import run_on_ranks, thread_groups
+from testkit.distributed import run_on_ranks, thread_groups
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from tessera import LLM, SamplingParams
 from tessera.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from tessera.engine.llm_engine import LLMEngine
-from tessera.testing import random_images
+from testkit import random_images
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 

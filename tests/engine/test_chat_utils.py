@@ -7,7 +7,7 @@ import pytest
 
 from tessera.engine.chat_utils import parse_chat_messages, parse_chat_messages_with_uuids, render_prompt
 from tessera.errors import InputError
-from tessera.testing import CHATML_TEMPLATE
+from testkit import CHATML_TEMPLATE
 
 
 def parse(messages, image_text=None):
@@ -139,7 +139,7 @@ def test_a_chatml_template_renders_string_content_as_hf_does():
     """ChatML-style templates concatenate content: given parts, jinja raises TypeError (the crash
     SmolLM2 users hit); rendered as strings, the prompt is what HF renders for string messages."""
     from tessera.engine.chat_utils import render_prompt
-    from tessera.testing import build_tokenizer
+    from testkit import build_tokenizer
 
     tokenizer = build_tokenizer("llava")
     hf, _ = parse([{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}])

@@ -7,7 +7,7 @@ import pytest
 
 from tessera.engine.chat_utils import parse_chat_media, parse_chat_messages_with_uuids, render_chat, render_plain
 from tessera.errors import InputError
-from tessera.testing import CHATML_TEMPLATE, build_tokenizer
+from testkit import CHATML_TEMPLATE, build_tokenizer
 
 MIXED = [{"role": "user", "content": [
     {"type": "video_url", "video_url": {"url": "v1"}, "uuid": "clip"},

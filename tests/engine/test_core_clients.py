@@ -18,8 +18,8 @@ from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.executor.replica import ReplicaClient
 from tessera.multimodal.hasher import MultiModalHasher
 from tessera.multimodal.video import decode_video
-from tessera.testing import random_images, video_bytes
-from tessera.testing.qwen_vl import build_tiny_qwen2_vl
+from testkit import random_images, video_bytes
+from testkit.qwen_vl import build_tiny_qwen2_vl
 
 OPTIONS = {"kv_cache_memory": "16MiB"}
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tessera.engine.detokenizer import IncrementalDetokenizer
-from tessera.testing import build_tokenizer
+from testkit import build_tokenizer
 
 SENTENCES = [
     "The circle is red. The square is blue.",

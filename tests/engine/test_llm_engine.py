@@ -10,7 +10,7 @@ from transformers import FuyuForCausalLM as HFFuyu
 from transformers import LlavaForConditionalGeneration as HFLlava
 
 from tessera import LLM, SamplingParams
-from tessera.testing import random_images
+from testkit import random_images
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -11,7 +11,7 @@ import pytest
 
 from tessera import LLM, ModelRegistry, SamplingParams
 from tessera.models.llava import LlavaForConditionalGeneration
-from tessera.testing import random_images
+from testkit import random_images
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [

@@ -11,7 +11,7 @@ import torch
 from tessera.engine.prompt import longest_token_chars, process_prompt
 from tessera.errors import InputError, InputTooLargeError
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.testing import build_tokenizer, random_images
+from testkit import build_tokenizer, random_images
 
 PROMPT = "USER: <image>\nWhat is this? <image>\nAnd this one? ASSISTANT:"
 

@@ -8,7 +8,7 @@ from tessera import TINY_DEMO_MODEL
 from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.multimodal.media import MediaPolicy
-from tessera.testing.server import API_KEY, FETCH_DEADLINE, MAX_IMAGES, serve_demo
+from testkit.server import API_KEY, FETCH_DEADLINE, MAX_IMAGES, serve_demo
 
 
 @pytest.fixture(scope="session")

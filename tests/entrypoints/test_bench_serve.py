@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from tessera.entrypoints.cli import main
-from tessera.testing.server import API_KEY
+from testkit.server import API_KEY
 
 
 def _bench(url: str, *extra: str) -> tuple[int, str]:

@@ -11,7 +11,7 @@ import pytest
 
 from tessera import LLM, SamplingParams
 from tessera.entrypoints.cli import main
-from tessera.testing import random_images
+from testkit import random_images
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,7 @@ def test_mm_processor_kwargs_must_be_a_json_object(capsys, command, value, messa
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     pytest.importorskip("gguf", reason="the gguf package writes the test file (pip install gguf)")
-    from tessera.testing import build_tiny_gguf
+    from testkit import build_tiny_gguf
 
     return build_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q8_0.gguf")
 

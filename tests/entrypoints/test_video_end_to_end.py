@@ -25,8 +25,8 @@ from tessera.entrypoints.openai.api_server import build_app
 from tessera.entrypoints.openai.http_server import ServerThread
 from tessera.multimodal.media import MediaPolicy
 from tessera.multimodal.video import decode_video
-from tessera.testing import random_images, video_bytes, video_frame
-from tessera.testing.qwen_vl import build_tiny_qwen2_vl
+from testkit import random_images, video_bytes, video_frame
+from testkit.qwen_vl import build_tiny_qwen2_vl
 
 QUESTION, MAX_TOKENS = "What happens in the video?", 8
 CLIP = video_bytes(num_frames=4, width=32, height=32, fps=4)

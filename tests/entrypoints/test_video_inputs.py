@@ -14,7 +14,7 @@ from tessera import LLM
 from tessera.entrypoints.cli import build_parser, main
 from tessera.errors import InputError
 from tessera.multimodal.video import VideoFrames
-from tessera.testing import random_images, video_bytes
+from testkit import random_images, video_bytes
 
 
 @pytest.fixture(scope="module")

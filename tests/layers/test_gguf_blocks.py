@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tessera.layers.gguf_blocks import DECODED_TYPES, QuantizedBlocks, concat_rows, decode_blocks
-from tessera.testing.gguf import K_QUANTS, random_k_quant
+from testkit.gguf import K_QUANTS, random_k_quant
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the blocks (pip install gguf)")
 np = pytest.importorskip("numpy")

@@ -9,7 +9,7 @@ import torch
 
 from tessera.distributed import tensor_parallel_group
 from tessera.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from tessera.testing.distributed import run_on_ranks, thread_groups
+from testkit.distributed import run_on_ranks, thread_groups
 
 
 @pytest.fixture(scope="module")

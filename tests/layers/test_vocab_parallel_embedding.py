@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tessera.distributed import tensor_parallel_group
 from tessera.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from tessera.testing.distributed import run_on_ranks, thread_groups
+from testkit.distributed import run_on_ranks, thread_groups
 
 VOCAB, DIM = 11, 4
 

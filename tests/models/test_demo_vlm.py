@@ -20,8 +20,8 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration  # noqa: E
 from tessera import LLM, SamplingParams  # noqa: E402
 from tessera.gguf_file import load_gguf_tokenizer  # noqa: E402
 from tessera.models import demo_vlm  # noqa: E402
-from tessera.testing import random_images  # noqa: E402
-from tessera.testing.demo_vlm import build_random_vision_dir  # noqa: E402
+from testkit import random_images  # noqa: E402
+from testkit.demo_vlm import build_random_vision_dir  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 3?"]

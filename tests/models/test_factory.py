@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from tessera.config import ModelConfig, MultiModalConfig
 from tessera.models.factory import BuiltModel, build_model
-from tessera.testing import random_images
+from testkit import random_images
 from tessera.tokenizer_utils import load_tokenizer
 
 
@@ -49,7 +49,7 @@ def test_an_mrope_config_is_refused_for_a_model_without_mrope(tmp_path):
     positions and give wrong outputs: refused at load, naming the interface it lacks."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from tessera.testing import build_tiny_text_model
+    from testkit import build_tiny_text_model
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
     folder = build_tiny_text_model(tmp_path / "m", Qwen2ForCausalLM, Qwen2Config, rope_parameters=rope)
@@ -72,7 +72,7 @@ def test_an_mrope_config_builds_a_model_that_supports_mrope(tmp_path):
     from tessera.layers.mrope import MRotaryEmbedding
     from tessera.models.interfaces import SupportsMRoPE
     from tessera.models.qwen2 import Qwen2ForCausalLM as TesseraQwen2
-    from tessera.testing import build_tiny_text_model
+    from testkit import build_tiny_text_model
 
     class MRoPEQwen2(TesseraQwen2, SupportsMRoPE):
         pass

@@ -11,8 +11,8 @@ from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.models.loader import load_model
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.testing import random_images
-from tessera.testing.generation import greedy_logprobs, hf_recomputed_logprobs
+from testkit import random_images
+from testkit.generation import greedy_logprobs, hf_recomputed_logprobs
 
 PROMPT = "What colour is the square?"
 SIZES = [(60, 40), (48, 48), (20, 90)]  # (width, height): cropped, exact and downscaled grids

@@ -12,9 +12,9 @@ from transformers import Gemma3ForConditionalGeneration as HFGemma3
 
 from tessera import LLM, SamplingParams
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.testing import random_images
-from tessera.testing.gemma3 import BOI, EOI, MM_TOKENS_PER_IMAGE, PAN_AND_SCAN, SLIDING_WINDOW, build_tiny_gemma3
-from tessera.testing.generation import (
+from testkit import random_images
+from testkit.gemma3 import BOI, EOI, MM_TOKENS_PER_IMAGE, PAN_AND_SCAN, SLIDING_WINDOW, build_tiny_gemma3
+from testkit.generation import (
     ENGINE_CASES,
     assert_chunk_boundary_inside_an_item,
     assert_engine_case_happened,

@@ -14,8 +14,8 @@ from tessera.layers.cpu_kernels import DEQUANT, ENV, NATIVE
 from tessera.layers.kv_cache import allocate_kv_cache
 from tessera.layers.quantization import dequantized_weight
 from tessera.models.loader import load_model
-from tessera.testing import build_tiny_gguf
-from tessera.testing.generation import greedy_logprobs, hf_recomputed_logprobs
+from testkit import build_tiny_gguf
+from testkit.generation import greedy_logprobs, hf_recomputed_logprobs
 
 pytest.importorskip("gguf", reason="the gguf package writes and reads the test files (pip install gguf)")
 

@@ -14,9 +14,9 @@ from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.models.loader import load_model
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.testing import random_images
-from tessera.testing.generation import greedy_logprobs
-from tessera.testing.idefics3 import build_tiny_idefics3
+from testkit import random_images
+from testkit.generation import greedy_logprobs
+from testkit.idefics3 import build_tiny_idefics3
 
 TEXT = "User: What is in the image?<end_of_utterance>\nAssistant:"
 ONE_IMAGE = "User:<image>What colour is the circle?<end_of_utterance>\nAssistant:"

@@ -16,15 +16,15 @@ from tessera import LLM, SamplingParams
 from tessera.models.internvl_vision import InternVLVisionModel
 from tessera.models.loader import load_tensors
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.testing import random_images, random_video
-from tessera.testing.generation import (
+from testkit import random_images, random_video
+from testkit.generation import (
     ENGINE_CASES,
     assert_chunk_boundary_inside_an_item,
     assert_engine_case_happened,
     engine_case_options,
     greedy_logprobs,
 )
-from tessera.testing.internvl import (
+from testkit.internvl import (
     IMAGE_SEQ_LENGTH,
     IMG_CONTEXT,
     IMG_END,

@@ -10,9 +10,9 @@ from transformers import LlavaForConditionalGeneration as HFLlava
 from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.models.loader import load_model
-from tessera.testing import IMAGE_SIZES as SIZES
-from tessera.testing import LLAVA_PROMPTS, build_tiny_llava, random_images
-from tessera.testing.generation import greedy_logprobs, hf_recomputed_logprobs
+from testkit import IMAGE_SIZES as SIZES
+from testkit import LLAVA_PROMPTS, build_tiny_llava, random_images
+from testkit.generation import greedy_logprobs, hf_recomputed_logprobs
 
 
 def engine(folder, **options) -> LLM:

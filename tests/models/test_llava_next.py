@@ -14,9 +14,9 @@ from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.models.loader import load_model
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.testing import random_images
-from tessera.testing.generation import greedy_logprobs
-from tessera.testing.llava_next import build_tiny_llava_next
+from testkit import random_images
+from testkit.generation import greedy_logprobs
+from testkit.llava_next import build_tiny_llava_next
 
 PROMPTS = [  # (prompt, image sizes (width, height))
     ("USER: What is in the picture? ASSISTANT:", []),

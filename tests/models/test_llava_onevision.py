@@ -20,9 +20,9 @@ from tessera.models.loader import load_model, load_tensors
 from tessera.models.siglip import SiglipVisionModel
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.video import decode_video
-from tessera.testing import random_images, random_video, video_bytes
-from tessera.testing.generation import greedy_logprobs
-from tessera.testing.llava_next import build_tiny_llava_onevision
+from testkit import random_images, random_video, video_bytes
+from testkit.generation import greedy_logprobs
+from testkit.llava_next import build_tiny_llava_onevision
 
 
 def user(text: str) -> str:

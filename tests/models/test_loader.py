@@ -312,7 +312,7 @@ def test_bad_dtype_name_fails_at_config(tiny_llava_dir, option):
 def test_load_model_refuses_an_mrope_config_for_a_model_without_mrope(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from tessera.testing import build_tiny_text_model
+    from testkit import build_tiny_text_model
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
     folder = build_tiny_text_model(tmp_path / "m", Qwen2ForCausalLM, Qwen2Config, rope_parameters=rope)

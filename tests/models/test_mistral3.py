@@ -15,15 +15,15 @@ from tessera import LLM, SamplingParams
 from tessera.models.loader import load_tensors
 from tessera.models.mistral3 import Mistral3ForConditionalGeneration
 from tessera.multimodal import MULTIMODAL_REGISTRY
-from tessera.testing import random_images
-from tessera.testing.generation import (
+from testkit import random_images
+from testkit.generation import (
     ENGINE_CASES,
     assert_chunk_boundary_inside_an_item,
     assert_engine_case_happened,
     engine_case_options,
     greedy_logprobs,
 )
-from tessera.testing.mistral3 import IMG, IMG_BREAK, IMG_END, LONGEST_EDGE, MERGE, PATCH, build_tiny_mistral3
+from testkit.mistral3 import IMG, IMG_BREAK, IMG_END, LONGEST_EDGE, MERGE, PATCH, build_tiny_mistral3
 
 TEXT = "What is in the image? Describe the image."
 PROMPTS = [  # (prompt, image sizes (width, height))

@@ -26,8 +26,8 @@ from tessera.layers import native_kernels
 from tessera.layers.cpu_kernels import ENV
 from tessera.models.gemma3 import Gemma3DecoderLayer
 from tessera.models.llama import LlamaDecoderLayer
-from tessera.testing import build_tiny_text_model
-from tessera.testing.generation import greedy_logprobs
+from testkit import build_tiny_text_model
+from testkit.generation import greedy_logprobs
 
 PROMPTS = ["USER: Tell me about the sea. ASSISTANT:", "one two three", "A b c d e f g h i j k l m n"]
 TEXT_MODELS = {
@@ -115,7 +115,7 @@ def test_a_gguf_files_blocks_run_natively_with_the_eager_numbers(tmp_path, weigh
     """quantization="auto" keeps a GGUF file's blocks: int4 with zero point 0 (Q4_K), int8 with zeros (q | k | v
     of Q4_K and Q6_K); the native layer calls those kernels as the eager linears do."""
     pytest.importorskip("gguf", reason="the gguf package writes the test file")
-    from tessera.testing import build_tiny_gguf
+    from testkit import build_tiny_gguf
 
     path = build_tiny_gguf(tmp_path / "m.gguf", weight_type="Q4_K", weight_types=weight_types, hidden_size=256,
                            intermediate_size=512)  # fmt: skip

@@ -22,13 +22,13 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from tessera import LLM, SamplingParams
-from tessera.testing import random_images
-from tessera.testing.gemma3 import PAN_AND_SCAN, build_tiny_gemma3
-from tessera.testing.idefics3 import build_tiny_idefics3, build_tiny_smolvlm
-from tessera.testing.internvl import build_tiny_internvl
-from tessera.testing.llava_next import build_tiny_llava_next, build_tiny_llava_onevision
-from tessera.testing.mistral3 import build_tiny_mistral3
-from tessera.testing.qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl, build_tiny_qwen3_vl
+from testkit import random_images
+from testkit.gemma3 import PAN_AND_SCAN, build_tiny_gemma3
+from testkit.idefics3 import build_tiny_idefics3, build_tiny_smolvlm
+from testkit.internvl import build_tiny_internvl
+from testkit.llava_next import build_tiny_llava_next, build_tiny_llava_onevision
+from testkit.mistral3 import build_tiny_mistral3
+from testkit.qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl, build_tiny_qwen3_vl
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

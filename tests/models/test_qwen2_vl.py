@@ -14,9 +14,9 @@ from tessera.config import ModelConfig
 from tessera.models.loader import load_model
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.video import decode_video
-from tessera.testing import random_images, random_video, video_bytes
-from tessera.testing.generation import greedy_logprobs
-from tessera.testing.qwen_vl import build_tiny_qwen2_vl, mm_features
+from testkit import random_images, random_video, video_bytes
+from testkit.generation import greedy_logprobs
+from testkit.qwen_vl import build_tiny_qwen2_vl, mm_features
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPTS = [  # (prompt, image sizes (width, height))

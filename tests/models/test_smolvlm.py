@@ -15,9 +15,9 @@ from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.video import decode_video
-from tessera.testing import random_images, random_video, video_bytes
-from tessera.testing.generation import greedy_logprobs
-from tessera.testing.idefics3 import build_tiny_smolvlm
+from testkit import random_images, random_video, video_bytes
+from testkit.generation import greedy_logprobs
+from testkit.idefics3 import build_tiny_smolvlm
 
 TEXT = "User: What is in the image?<end_of_utterance>\nAssistant:"
 ONE_IMAGE = "User:<image>What colour is the circle?<end_of_utterance>\nAssistant:"

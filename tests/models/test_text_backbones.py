@@ -17,8 +17,8 @@ from transformers import (
 )
 
 from tessera import LLM, SamplingParams
-from tessera.testing import build_tiny_text_model, build_tokenizer
-from tessera.testing.generation import hf_greedy_tokens
+from testkit import build_tiny_text_model, build_tokenizer
+from testkit.generation import hf_greedy_tokens
 
 PROMPTS = [
     "How many squares are there in the picture?",

@@ -16,10 +16,10 @@ from transformers.image_utils import SizeDict
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal import context as context_module
 from tessera.multimodal.context import split_mm_kwargs
-from tessera.testing import random_images
+from testkit import random_images
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
-IMAGE_SIZE, PATCH_SIZE = 32, 8  # the tiny LLaVA's CLIP geometry (tessera/testing/checkpoints.py)
+IMAGE_SIZE, PATCH_SIZE = 32, 8  # the tiny LLaVA's CLIP geometry (testkit/checkpoints.py)
 LOGGER = "tessera.multimodal.context"
 make = MULTIMODAL_REGISTRY.create_processor
 
@@ -186,7 +186,7 @@ def test_the_split_of_llava_kwargs(tiny_llava_dir):
 def test_keys_a_processor_class_defaults_at_call_time_go_to_the_call(tmp_path):
     # Gemma3Processor's class attribute images_kwargs = {"do_pan_and_scan": False, ...} overrides at call time
     # what its image processor was constructed with: given to the constructor alone, the option would be ignored.
-    from tessera.testing.gemma3 import build_tiny_gemma3
+    from testkit.gemma3 import build_tiny_gemma3
 
     processor = AutoProcessor.from_pretrained(build_tiny_gemma3(tmp_path / "gemma3"))
     assert processor.images_kwargs["do_pan_and_scan"] is False  # the class default this is about
@@ -195,7 +195,7 @@ def test_keys_a_processor_class_defaults_at_call_time_go_to_the_call(tmp_path):
 
 
 def test_call_settings_layer_the_class_defaults_and_the_kwargs(tmp_path):
-    from tessera.testing.gemma3 import build_tiny_gemma3
+    from testkit.gemma3 import build_tiny_gemma3
 
     folder = build_tiny_gemma3(tmp_path / "gemma3")
     keys, base = (

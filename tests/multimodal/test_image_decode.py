@@ -18,7 +18,7 @@ from transformers.image_utils import load_image as hf_load_image
 from tessera.errors import InputError, InputTooLargeError
 from tessera.multimodal.image_decode import check_image, decode_image, to_rgb
 from tessera.multimodal.media import MediaPolicy
-from tessera.testing import random_images
+from testkit import random_images
 
 POLICY = MediaPolicy()
 

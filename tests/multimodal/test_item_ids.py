@@ -12,7 +12,7 @@ from PIL import Image
 
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.hasher import MultiModalHasher
-from tessera.testing import random_images
+from testkit import random_images
 
 PROMPT = "USER: <image>\nWhat is this? <image>\nAnd this? ASSISTANT:"
 make = MULTIMODAL_REGISTRY.create_processor

@@ -14,7 +14,7 @@ from PIL import Image
 from tessera.errors import InputError, InputTooLargeError
 from tessera.multimodal import media
 from tessera.multimodal.media import MediaPolicy, is_http_url, load_image_url, read_media_bytes
-from tessera.testing import random_images
+from testkit import random_images
 
 
 def encoded(image, fmt):

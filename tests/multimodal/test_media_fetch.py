@@ -22,7 +22,7 @@ from tessera.errors import InputError, InputTooLargeError
 from tessera.multimodal import media_fetch
 from tessera.multimodal.media import MediaPolicy, load_image_url, read_media_bytes
 from tessera.multimodal.media_fetch import DOMAIN_NOT_ALLOWED, FETCH_FAILED, fetch_url, is_public_address
-from tessera.testing import random_images
+from testkit import random_images
 
 
 def png_bytes(image):

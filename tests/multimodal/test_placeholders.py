@@ -17,7 +17,7 @@ from tessera.multimodal.prompt_updates import (
     PromptUpdateDetails,
     TokenCodec,
 )
-from tessera.testing import build_tokenizer
+from testkit import build_tokenizer
 
 IMG = 512  # "<image>"; the other ids are ordinary tokens of the llava fixture tokenizer
 A, B, C, HI = 43, 288, 28, 340  # "I", "mage", ":", "hi"

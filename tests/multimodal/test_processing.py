@@ -10,8 +10,8 @@ from transformers import AutoProcessor
 
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.prompt_updates import PromptIndexTargets, PromptInsertion, PromptReplacement
-from tessera.testing import IMAGE_SIZES as SIZES
-from tessera.testing import LLAVA_PROMPTS, build_tiny_llava, random_images
+from testkit import IMAGE_SIZES as SIZES
+from testkit import LLAVA_PROMPTS, build_tiny_llava, random_images
 
 
 @pytest.fixture(scope="module")

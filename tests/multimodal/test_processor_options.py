@@ -24,8 +24,8 @@ from tessera.multimodal.processor_options import (
     split_mm_kwargs,
 )
 from tessera.multimodal.profiling import MultiModalProfiler
-from tessera.testing import random_images
-from tessera.testing.qwen_vl import MERGE_SIZE, PATCH_SIZE, build_tiny_qwen2_5_vl
+from testkit import random_images
+from testkit.qwen_vl import MERGE_SIZE, PATCH_SIZE, build_tiny_qwen2_5_vl
 
 QWEN_PROMPT = "<|vision_start|><|image_pad|><|vision_end|>Describe it."
 FACTOR = PATCH_SIZE * MERGE_SIZE  # pixels per side of one merged token

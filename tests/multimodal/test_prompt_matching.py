@@ -17,7 +17,7 @@ from tessera.multimodal.prompt_updates import (
     PromptReplacement,
     TokenCodec,
 )
-from tessera.testing import build_tokenizer
+from testkit import build_tokenizer
 
 BOTH = [PromptInsertion, PromptReplacement]
 

@@ -21,7 +21,7 @@ from tessera.multimodal.prompt_updates import (
     placeholder_target,
     placeholder_token_id,
 )
-from tessera.testing import build_tokenizer
+from testkit import build_tokenizer
 
 IMG = 512  # "<image>" in the llava fixture tokenizer
 IM, MAGE, COLON = 43, 288, 28  # "Image:" encodes to these three tokens

@@ -1,5 +1,5 @@
 """Decoding videos (tessera.multimodal.video), loading them from URLs (media.load_video_url), and
-parsing "video" data (parse.py), against a video drawn frame by frame (tessera.testing.video_frame):
+parsing "video" data (parse.py), against a video drawn frame by frame (testkit.video_frame):
 the top half's colour cycles through VIDEO_COLORS, a white square moves SQUARE_STEP pixels a frame."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from tessera.multimodal.hasher import MultiModalHasher
 from tessera.multimodal.media import LOCAL_FILES, MediaPolicy, load_video_url
 from tessera.multimodal.parse import MultiModalDataParser, VideoProcessorItems
 from tessera.multimodal.video import VideoFrames, decode_video
-from tessera.testing import VIDEO_COLORS, png_bytes, video_bytes, video_frame
-from tessera.testing.video import SQUARE_SIDE, SQUARE_STEP
+from testkit import VIDEO_COLORS, png_bytes, video_bytes, video_frame
+from testkit.video import SQUARE_SIDE, SQUARE_STEP
 
 FRAMES, WIDTH, HEIGHT, FPS = 16, 64, 48, 8
 

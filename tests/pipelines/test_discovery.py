@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 from tessera import LLM, SamplingParams
 from tessera.pipelines import list_pipelines, load_pipeline
 from tessera.pipelines.base import AbstractMultimodalPipeline
-from tessera.testing import random_images
+from testkit import random_images
 
 # A third-party module as a user would write it: pipelines.py imports its pipeline lazily from a
 # sibling file. The pipeline turns an image into 3 embeddings: its mean colour through a fixed

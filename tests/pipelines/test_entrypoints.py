@@ -13,7 +13,7 @@ from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.cli import main
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
-from tessera.testing import random_images
+from testkit import random_images
 
 
 def reference(llava_parts, image, text: str, max_tokens: int = 6) -> str:

@@ -11,7 +11,7 @@ import torch
 from tessera import LLM, SamplingParams
 from tessera.pipelines import load_pipeline
 from tessera.pipelines.llava.llava import load_projector
-from tessera.testing import random_images
+from testkit import random_images
 
 QUESTION = "\nWhat is this? ASSISTANT:"
 

@@ -71,7 +71,7 @@ def test_text_batches_mark_the_positions_that_predict_the_answer():
 def test_the_distillation_loss_is_zero_until_the_lora_moves():
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    from tessera.testing.demo_vlm import TINY_VISION
+    from testkit.demo_vlm import TINY_VISION
 
     text = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1)  # fmt: skip

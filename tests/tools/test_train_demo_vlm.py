@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tessera.testing.demo_vlm import TEXT_HIDDEN
+from testkit.demo_vlm import TEXT_HIDDEN
 from tools import demo_vlm_slots as slots
 from tools import train_demo_vlm as train
 from tools.demo_vlm_encoder import SlotEncoder, export_projector

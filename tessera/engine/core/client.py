@@ -12,10 +12,13 @@ step; a remote one waits until outputs arrive, `wake()` is called, or the core d
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Protocol, runtime_checkable
 
 from .core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -50,3 +53,12 @@ class EngineCoreClient(Protocol):
         """Raise if the core can no longer step."""
 
     def shutdown(self) -> None: ...
+
+
+def report_death(callbacks: Iterable[Callable[[BaseException], None]], error: BaseException) -> None:
+    """Call each `watch` / `on_dead` callback with `error`; one that fails is logged and the others still run."""
+    for callback in list(callbacks):
+        try:
+            callback(error)
+        except Exception:
+            logger.exception("A callback on the death of the engine failed")

@@ -16,7 +16,6 @@ dies, and the `watch` callbacks run (the server exits, as it does when its one e
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import threading
@@ -24,11 +23,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Optional
 
+from ..core.client import report_death
 from ..core.core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from .replica import ReplicaClient, next_outputs
-
-logger = logging.getLogger(__name__)
-
 
 def routing_key(request: EngineCoreRequest) -> Optional[str]:
     """The key a sequence is routed by: its first item's hash, or None for a prompt without items."""
@@ -171,8 +168,4 @@ class DataParallelClient:
             if self.dead is not None:
                 return
             self.dead = error
-        for callback in self.on_dead:
-            try:
-                callback(error)
-            except Exception:
-                logger.exception("An on_dead callback failed")
+        report_death(self.on_dead, error)

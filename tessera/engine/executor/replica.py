@@ -33,6 +33,7 @@ from multiprocessing.connection import wait as wait_for
 from typing import Any, Optional
 
 from ...errors import EngineDeadError
+from ..core.client import report_death
 from ..core.core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from .replica_process import dumps, replica_main
 
@@ -268,11 +269,7 @@ class ReplicaClient:
                 reason = f"Engine replica {self.index} (pid {self.pid}) died ({self._exit_description()})"
             self.dead = EngineDeadError(f"{reason}; the server must be restarted.")
         logger.error("%s", self.dead)
-        for callback in self.on_dead:
-            try:
-                callback(self.dead)
-            except Exception:
-                logger.exception("An on_dead callback failed")
+        report_death(self.on_dead, self.dead)
         self._fail_calls(self.dead)
         self.outputs.put(None)  # wake the front-end: its step() raises
 

@@ -15,7 +15,7 @@ from tessera.engine.core.core_io import EngineCoreRequest
 from tessera.engine.executor.data_parallel import DataParallelClient, Router, routing_key
 from tessera.engine.llm_engine import LLMEngine, core_requests
 from tessera.errors import EngineDeadError
-from tessera.testing import random_images
+from testkit import random_images
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 PARAMS = SamplingParams(max_tokens=1)

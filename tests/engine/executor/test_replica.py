@@ -19,7 +19,7 @@ from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.executor.replica import ReplicaClient
 from tessera.errors import EngineDeadError
 from tessera.sampling_params import StructuredOutputsParams
-from tessera.testing import random_images
+from testkit import random_images
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 OPTIONS = {"kv_cache_memory": "16MiB"}

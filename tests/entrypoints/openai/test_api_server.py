@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from examples import make_example_images
 from tessera import TINY_DEMO_MODEL
-from tessera.testing.server import API_KEY, MAX_IMAGES, data_url, metric, wait_until_idle
+from testkit.server import API_KEY, MAX_IMAGES, data_url, metric, wait_until_idle
 from tools import tiny_demo_data
 
 REPO = Path(__file__).resolve().parents[3]

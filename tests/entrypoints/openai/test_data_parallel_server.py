@@ -19,8 +19,8 @@ import pytest
 from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
-from tessera.testing import random_images
-from tessera.testing.server import metric, wait_until_idle
+from testkit import random_images
+from testkit.server import metric, wait_until_idle
 
 OPTIONS = {"kv_cache_memory": "16MiB"}
 

@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from examples import make_example_images
-from tessera.testing import png_bytes
-from tessera.testing.server import (
+from testkit import png_bytes
+from testkit.server import (
     API_KEY,
     FETCH_DEADLINE,
     data_url,

@@ -10,7 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.entrypoints.openai.metrics import VLLM_ITL_BUCKETS, VLLM_REQUEST_LATENCY_BUCKETS, VLLM_TTFT_BUCKETS
-from tessera.testing.server import wait_until_idle
+from testkit.server import wait_until_idle
 
 PROMPT = "Describe, in a few plain words, what a tessera is and where one would find it in a mosaic floor. " * 2
 

@@ -39,10 +39,10 @@ from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import build_app
 from tessera.entrypoints.openai.http_server import ServerThread
 from tessera.multimodal.media import MediaPolicy
-from tessera.testing import random_images
-from tessera.testing.idefics3 import build_tiny_idefics3
-from tessera.testing.qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl, build_tiny_qwen3_vl
-from tessera.testing.server import metric, wait_until_idle
+from testkit import random_images
+from testkit.idefics3 import build_tiny_idefics3
+from testkit.qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl, build_tiny_qwen3_vl
+from testkit.server import metric, wait_until_idle
 
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `min_pixels` and `max_pixels`:FutureWarning")
 

@@ -1,5 +1,6 @@
 """`tessera serve` as an operator runs it: SIGTERM stops it within --shutdown-timeout, every stream
-ending in-band (a finish_reason or an error event, then [DONE]) instead of a broken connection."""
+ending in-band (a finish_reason or an error event, then [DONE]) instead of a broken connection; with
+data-parallel replicas too (they are shut down with it)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tessera.testing import build_tiny_text_model
+from testkit import build_tiny_text_model
 
 SHUTDOWN_TIMEOUT = 1.0
 SLACK = 8.0  # seconds beyond the timeout for the process to stop (interpreter exit, a loaded CI machine)
@@ -25,6 +27,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    """The process ids of a process's children (Linux)."""
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(child) for child in text.split()]
 
 
 def _read_stream(url: str, body: dict, events: list, started: threading.Event) -> None:
@@ -50,11 +58,13 @@ def long_context_model(tmp_path_factory):
     return build_tiny_text_model(folder, LlamaForCausalLM, LlamaConfig, max_position_embeddings=1 << 16)
 
 
-def test_sigterm_ends_every_stream_in_band_and_exits_within_the_timeout(long_context_model):
+@pytest.mark.parametrize("replicas", [1, 2], ids=["one-engine", "data-parallel"])
+def test_sigterm_ends_every_stream_in_band_and_exits_within_the_timeout(long_context_model, replicas):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "tessera.entrypoints.cli", "serve", str(long_context_model), "--port", str(port),
-               "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--kv-cache-memory", "64MiB"]  # fmt: skip
+               "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--kv-cache-memory", "64MiB",
+               "--data-parallel-size", str(replicas)]  # fmt: skip
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -81,6 +91,8 @@ def test_sigterm_ends_every_stream_in_band_and_exits_within_the_timeout(long_con
         for _, _, started, _ in streams:
             assert started.wait(60), "a stream sent nothing"
 
+        children = _children(server.pid)  # the replicas' processes, with data parallelism
+        assert len(children) >= (replicas if replicas > 1 else 0)
         sent = time.monotonic()
         server.send_signal(signal.SIGTERM)
         time.sleep(0.3)  # the listener closes at once: a new connection is refused
@@ -97,6 +109,10 @@ def test_sigterm_ends_every_stream_in_band_and_exits_within_the_timeout(long_con
     output = server.stdout.read()
     assert status == 0, output
     assert took < SHUTDOWN_TIMEOUT + SLACK, took
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() for pid in children):  # none left behind
+        assert time.monotonic() < deadline, [pid for pid in children if Path(f"/proc/{pid}").exists()]
+        time.sleep(0.05)
 
     for body, events, _, _ in streams:
         assert not any(isinstance(e, Exception) for e in events), (events[-3:], output)

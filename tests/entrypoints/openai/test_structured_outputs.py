@@ -11,7 +11,7 @@ import re
 import httpx
 import pytest
 
-from tessera.testing.server import API_KEY
+from testkit.server import API_KEY
 
 SCHEMA = {
     "type": "object",

@@ -19,12 +19,12 @@ from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import build_app
 from tessera.entrypoints.openai.http_server import ServerThread
 from tessera.multimodal.media import MediaPolicy
-from tessera.testing import random_images
-from tessera.testing.gemma3 import build_tiny_gemma3
-from tessera.testing.idefics3 import build_tiny_idefics3, build_tiny_smolvlm
-from tessera.testing.internvl import build_tiny_internvl
-from tessera.testing.llava_next import build_tiny_llava_next, build_tiny_llava_onevision
-from tessera.testing.mistral3 import build_tiny_mistral3
+from testkit import random_images
+from testkit.gemma3 import build_tiny_gemma3
+from testkit.idefics3 import build_tiny_idefics3, build_tiny_smolvlm
+from testkit.internvl import build_tiny_internvl
+from testkit.llava_next import build_tiny_llava_next, build_tiny_llava_onevision
+from testkit.mistral3 import build_tiny_mistral3
 
 BUILDERS = {
     "llava_next": build_tiny_llava_next,

@@ -17,7 +17,7 @@ from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import build_app
 from tessera.entrypoints.openai.http_server import ServerThread
-from tessera.testing.tool_calling import build_tiny_qwen2_tools
+from testkit.tool_calling import build_tiny_qwen2_tools
 
 WEATHER = {
     "type": "function",

@@ -20,8 +20,8 @@ import pytest
 from PIL import Image
 
 from tessera.multimodal.media import MediaPolicy
-from tessera.testing import video_bytes
-from tessera.testing.server import API_KEY, serve_demo
+from testkit import video_bytes
+from testkit.server import API_KEY, serve_demo
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 CLIP = video_bytes(num_frames=8, fps=8)

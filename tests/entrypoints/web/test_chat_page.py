@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from examples import make_example_images
-from tessera.testing import video_bytes
-from tessera.testing.server import API_KEY
+from testkit import video_bytes
+from testkit.server import API_KEY
 from tools import tiny_demo_data
 
 REPO = Path(__file__).resolve().parents[3]
@@ -114,7 +114,7 @@ def qwen_server(tmp_path_factory):
     from tessera.engine.llm_engine import LLMEngine
     from tessera.entrypoints.openai.api_server import ServerThread, build_app
     from tessera.multimodal.media import MediaPolicy
-    from tessera.testing.qwen_vl import build_tiny_qwen2_vl
+    from testkit.qwen_vl import build_tiny_qwen2_vl
 
     folder = build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl_page"))
     engine = AsyncEngine(LLMEngine.from_options(str(folder), kv_cache_memory="16MiB"))

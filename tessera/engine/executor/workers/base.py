@@ -21,6 +21,7 @@ import torch
 from ....config import ModelConfig, ParallelConfig
 from ....distributed import TensorParallelGroup, create_store, init_tensor_parallel_group
 from ....errors import WorkerDiedError
+from ...core.client import report_death
 from .worker import joined_key
 
 logger = logging.getLogger(__name__)
@@ -116,11 +117,7 @@ class WorkerGroup:
                 continue
             self._death = self._death or self._death_error(dead)
             logger.error("%s", self._death)
-            for callback in self.on_death:
-                try:
-                    callback(self._death)
-                except Exception:
-                    logger.exception("A worker-death callback failed")
+            report_death(self.on_death, self._death)
             return
 
     def _wait_joined(self, store: Any) -> None:

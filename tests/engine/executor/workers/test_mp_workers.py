@@ -22,9 +22,9 @@ from transformers import (
 
 from tessera import LLM, SamplingParams
 from tessera.errors import WorkerDiedError
-from tessera.testing import build_tiny_text_model, random_images
-from tessera.testing.distributed import assert_same_logits, generate_recording, recorded_logits
-from tessera.testing.generation import kv_bytes_per_token
+from testkit import build_tiny_text_model, random_images
+from testkit.distributed import assert_same_logits, generate_recording, recorded_logits
+from testkit.generation import kv_bytes_per_token
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 TEXT_PROMPTS = ["How many squares are there?", "The circle is red and the square is blue.", "A b c d e f g h"]
@@ -155,13 +155,13 @@ def test_a_killed_worker_makes_the_offline_engine_raise(tiny_llava_dir):
 
 
 VLM_BUILDERS = {
-    "qwen2_5_vl": "tessera.testing.qwen_vl:build_tiny_qwen2_5_vl",  # M-RoPE positions
-    "qwen3_vl": "tessera.testing.qwen_vl:build_tiny_qwen3_vl",  # DeepStack features beside the embeddings
-    "gemma3": "tessera.testing.gemma3:build_tiny_gemma3",  # bidirectional image spans, scaled embedding
-    "smolvlm": "tessera.testing.idefics3:build_tiny_smolvlm",
-    "internvl": "tessera.testing.internvl:build_tiny_internvl",
-    "mistral3": "tessera.testing.mistral3:build_tiny_mistral3",
-    "llava_onevision": "tessera.testing.llava_next:build_tiny_llava_onevision",
+    "qwen2_5_vl": "testkit.qwen_vl:build_tiny_qwen2_5_vl",  # M-RoPE positions
+    "qwen3_vl": "testkit.qwen_vl:build_tiny_qwen3_vl",  # DeepStack features beside the embeddings
+    "gemma3": "testkit.gemma3:build_tiny_gemma3",  # bidirectional image spans, scaled embedding
+    "smolvlm": "testkit.idefics3:build_tiny_smolvlm",
+    "internvl": "testkit.internvl:build_tiny_internvl",
+    "mistral3": "testkit.mistral3:build_tiny_mistral3",
+    "llava_onevision": "testkit.llava_next:build_tiny_llava_onevision",
 }
 
 

@@ -12,8 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tessera import LLM, SamplingParams
 from tessera.errors import WorkerDiedError
-from tessera.testing import build_tiny_text_model, random_images
-from tessera.testing.distributed import assert_same_logits, generate_recording
+from testkit import build_tiny_text_model, random_images
+from testkit.distributed import assert_same_logits, generate_recording
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (make test installs it)")
 

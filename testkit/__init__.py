@@ -1,5 +1,6 @@
 """What tests, benchmarks and examples share: tiny Hugging Face-format checkpoints built offline,
-seeded inputs, and helpers for a server under test. Not used by the engine itself."""
+seeded inputs, and helpers for a server under test. It lives beside the package, not in it (`pip install`
+ships `tessera` only); tests, benchmarks and examples import it from the repository root."""
 
 from .checkpoints import (
     build_llava_15_shaped_processor_folder,

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import TensorParallelGroup, create_store, init_tensor_parallel_group
+from tessera.distributed import TensorParallelGroup, create_store, init_tensor_parallel_group
 
 
 def thread_groups(world_size: int) -> list[TensorParallelGroup]:
@@ -37,7 +37,7 @@ def run_on_ranks(groups: list[TensorParallelGroup], fn: Callable[[TensorParallel
 @contextlib.contextmanager
 def recorded_logits() -> Iterator[list[torch.Tensor]]:
     """Every logits tensor rank 0 samples from, step by step, while inside."""
-    from ..engine.core import model_runner
+    from tessera.engine.core import model_runner
 
     steps: list[torch.Tensor] = []
     sample = model_runner.sample

@@ -17,7 +17,7 @@ from transformers import (
     LlavaProcessor,
 )
 
-from tessera.testing import build_llava_15_shaped_processor_folder, build_tiny_fuyu, build_tiny_llava, build_tokenizer
+from testkit import build_llava_15_shaped_processor_folder, build_tiny_fuyu, build_tiny_llava, build_tokenizer
 
 TEXTS = ["What is in the image?", "Describe  the image.\nThere are 12 red stars!", "héllo wörld 🙂 |x|"]
 
