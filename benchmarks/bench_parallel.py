@@ -150,9 +150,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-dp", action="store_true")
+    parser.add_argument("--skip-tp", action="store_true")
     args = parser.parse_args()
     folder = model_folder()
-    bench_tensor_parallel(folder, args.rounds)
+    if not args.skip_tp:
+        bench_tensor_parallel(folder, args.rounds)
     if not args.skip_dp:
         asyncio.run(bench_data_parallel(folder, args.rounds))
 
