@@ -24,7 +24,7 @@ from ..config import ModelConfig
 from ..tokenizer_utils import load_tokenizer
 from .hf_compat import restore_legacy_layout
 from .processor_options import (
-    CALL_DEFAULTS,
+    call_settings,
     constructor_kwargs_for,
     freeze,
     name_of,
@@ -64,19 +64,8 @@ class InputProcessingContext:
         self, keys: typing.Iterable[str], base: Mapping[str, object], kwargs: Mapping[str, object] = {}
     ) -> dict[str, object]:
         """The values of `keys` the HF processor's call uses (e.g. an image processor's tiling options, to count
-        an item's tokens as HF will): `base` (the sub-processor's own settings), then the processor class's
-        call-time defaults (its ``images_kwargs`` / ``videos_kwargs``... class attributes), then the merged
-        mm_processor_kwargs, flat or nested under ``images_kwargs`` / ``videos_kwargs``."""
-        keys = tuple(keys)
-        settings = {key: base.get(key) for key in keys}
-        processor_class = type(self._base_processor())
-        merged = self.get_merged_mm_kwargs(kwargs)
-        layers = [getattr(processor_class, name, None) for name in CALL_DEFAULTS]
-        layers += [merged] + [merged.get(name) for name in CALL_DEFAULTS]
-        for layer in layers:
-            if isinstance(layer, Mapping):
-                settings.update({key: layer[key] for key in keys if layer.get(key) is not None})
-        return settings
+        an item's tokens as HF will), with the merged mm_processor_kwargs: `processor_options.call_settings`."""
+        return call_settings(type(self._base_processor()), keys, base, self.get_merged_mm_kwargs(kwargs))
 
     def get_hf_processor(self, typ: type[_P] = ProcessorMixin, /, **kwargs: object) -> _P:  # type: ignore[assignment]
         """The model's processor, built with the merged mm_processor_kwargs that its constructor

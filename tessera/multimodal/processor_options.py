@@ -216,6 +216,22 @@ def _named_parameters(fn: Callable[..., Any]) -> list[str]:
     return names
 
 
+def call_settings(
+    processor_class: type, keys: Iterable[str], base: Mapping[str, object], merged: Mapping[str, object]
+) -> dict[str, object]:
+    """The values of `keys` a processor's call uses: `base` (a sub-processor's own settings), then the processor
+    class's call-time defaults (its ``images_kwargs`` / ``videos_kwargs``... class attributes), then the merged
+    mm_processor_kwargs, flat or nested under ``images_kwargs`` / ``videos_kwargs``."""
+    keys = tuple(keys)
+    settings = {key: base.get(key) for key in keys}
+    layers = [getattr(processor_class, name, None) for name in CALL_DEFAULTS]
+    layers += [merged] + [merged.get(name) for name in CALL_DEFAULTS]
+    for layer in layers:
+        if isinstance(layer, Mapping):
+            settings.update({key: layer[key] for key in keys if layer.get(key) is not None})
+    return settings
+
+
 def constructor_kwargs_for(processor_class: type, kwargs: Mapping[str, object]) -> dict[str, object]:
     """The keys of `kwargs` a processor class of another kind than transformers' takes in its
     constructor (all of them if its ``__init__`` has untyped ``**kwargs``), as vLLM builds one."""
