@@ -105,8 +105,12 @@ class LLMEngine:
         self.output_processor.add(
             request_id, inputs, [(r.request_id, r.sampling_params, r.arrival_time) for r in requests]
         )
-        for request in requests:
-            self.core.add_request(request)
+        try:
+            for request in requests:
+                self.core.add_request(request)
+        except BaseException:  # e.g. a replica that died: nothing of the request stays behind
+            self.abort_request(request_id)
+            raise
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free what it holds; it produces no further output."""

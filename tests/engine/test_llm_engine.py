@@ -283,3 +283,25 @@ def test_the_profile_run_leaves_nothing_behind_and_rebuilds_nothing(tiny_llava_d
     assert not engine.core.block_manager.cached_blocks and engine.core.block_manager.num_free_blocks == engine.core.num_blocks
     assert not engine.core.encoder_cache.entries and engine.core.encoder_cache.num_encoded == 0
     assert not engine.output_processor.requests and not engine.has_unfinished_requests()
+
+
+def test_a_sequence_the_core_refuses_leaves_nothing_of_its_request(tiny_llava_dir, llava_reference, monkeypatch):
+    """The core takes a request's sequences one by one; if it refuses one (e.g. a replica that died), the ones
+    it took are ended and the request is forgotten, and the engine serves on."""
+    llm = make_llm(tiny_llava_dir)
+    engine = llm.engine
+    add, taken = engine.core.add_request, []
+
+    def refuse_the_second(request):
+        if taken:
+            raise RuntimeError("injected refusal")
+        taken.append(request.request_id)
+        add(request)
+
+    monkeypatch.setattr(engine.core, "add_request", refuse_the_second)
+    with pytest.raises(RuntimeError, match="injected refusal"):
+        engine.add_request("r", llava_requests(1)[0], SamplingParams(max_tokens=4, n=2))
+    assert taken == ["r#0"] and "r" not in engine.output_processor and not engine.has_unfinished_requests()
+    assert engine.core.block_manager.num_free_blocks == engine.core.num_blocks
+    monkeypatch.undo()
+    assert tokens(llm.generate([llava_requests(1)[0]], GREEDY, use_tqdm=False)) == [llava_reference[0]]

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from .core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
 
-@runtime_checkable
 class EngineCoreClient(Protocol):
     info: EngineCoreInfo
     """What the core reported at start-up: limits, EOS ids, cache size."""

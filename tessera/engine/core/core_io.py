@@ -8,7 +8,7 @@ another process.
   EOS, a stop token id, its length limit or its grammar's end, or an error. Stop strings are the
   front-end's: it asks the core to stop the sequence (`EngineCore.abort(..., stopped=True)`).
 - `EngineCoreInfo`: what a front-end needs from the core before its first request: the limits it checks
-  prompts against, the context length, the EOS ids.
+  prompts against (the context length among them), the EOS ids.
 """
 
 from __future__ import annotations
@@ -77,8 +77,6 @@ class EngineCoreInfo:
 
     limits: EngineLimits
     eos_token_ids: frozenset[int]
-    num_blocks: int
-    block_size: int
 
     @property
     def max_model_len(self) -> int:

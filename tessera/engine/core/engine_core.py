@@ -133,7 +133,7 @@ class EngineCore:
                 scheduler_config.max_num_batched_tokens if scheduler_config.disable_chunked_mm_input else None
             ),
         )
-        self.info = EngineCoreInfo(limits, self.eos_token_ids, num_blocks, cache_config.block_size)
+        self.info = EngineCoreInfo(limits, self.eos_token_ids)
         self.requests: dict[str, Request] = {}  # sequence id -> its state, until it ends
         self._profiling = False
         self._profile_run()

@@ -11,6 +11,7 @@ import dataclasses
 import hmac
 import logging
 import signal
+import threading
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -275,7 +276,8 @@ def serve(
     engine.on_dead.append(exit_on_engine_death)
     # uvicorn raises the signal it shut down on again once it has stopped: handled here, so that the engine is
     # shut down below (tensor-parallel workers, replicas) and the exit status says how it went.
-    previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
+    handled = (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+    previous = {sig: signal.signal(sig, _stopped) for sig in handled}
     try:
         server.run()
     finally:
