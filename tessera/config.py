@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from .gguf_file import find_gguf_file, gguf_quantization, load_gguf_config
+from .plugins import plugin_option_names, resolve_plugin_options
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ DTYPE_NAMES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }  # fmt: skip
-"""The dtype names Tessera reads (lower case), for models and pipeline params alike."""
+"""The dtype names Tessera reads (lower case), for models and plugins' settings alike."""
 
 
 def parse_dtype(value: "str | torch.dtype", what: str = "dtype") -> torch.dtype:
@@ -73,21 +74,6 @@ class MultiModalConfig:
 
     mm_processor_cache_gb: float = 1.0
     """Size of the processor-output cache in GiB; 0 disables it."""
-
-    multimodal_pipeline: Optional[str] = None
-    """A vision pipeline (tessera.pipelines) to add to a text model, by name; "auto" picks one
-    by the model's folder name. Setting this or pipelines_dir turns pipeline mode on."""
-
-    pipelines_dir: Optional[str] = None
-    """A folder of extra pipeline modules (each a folder with a pipelines.py)."""
-
-    pipeline_params: dict[str, Any] = field(default_factory=dict)
-    """Settings handed to the pipeline, e.g. vision_device, vision_bits, projector_device,
-    projector_bits, and the pipeline's own (the llava pipeline: vision_tower, mm_projector)."""
-
-    @property
-    def uses_pipeline(self) -> bool:
-        return bool(self.multimodal_pipeline or self.pipelines_dir)
 
     def __post_init__(self) -> None:
         kwargs = {} if self.mm_processor_kwargs is None else self.mm_processor_kwargs
@@ -143,6 +129,11 @@ class ModelConfig:
     allow_pickle: bool = False
     """Load .bin/.pt weights (pickle, which can run code) when there are no .safetensors."""
 
+    hf_overrides: "Optional[dict[str, Any] | Callable[[PretrainedConfig], PretrainedConfig]]" = None
+    """Changes to the model's config.json as read, as vLLM's `hf_overrides`: a dict sets each key (a dict value
+    for a nested config, such as `text_config`, updates it key by key), a function returns the changed config.
+    E.g. {"architectures": ["MyModelForCausalLM"]} runs a folder with a model class registered out of tree."""
+
     hf_config: PretrainedConfig = field(init=False)
 
     gguf_file: Optional[str] = field(init=False, default=None)
@@ -167,6 +158,8 @@ class ModelConfig:
             self.hf_config = load_gguf_config(gguf_file, trust_remote_code=self.trust_remote_code)
         else:
             self.hf_config = AutoConfig.from_pretrained(self.model, trust_remote_code=self.trust_remote_code)
+        if self.hf_overrides is not None:
+            self.hf_config = apply_hf_overrides(self.hf_config, self.hf_overrides)
         if self.dtype == "auto":
             self.dtype = getattr(self.hf_config, "dtype", None) or torch.float32
         self.dtype = parse_dtype(self.dtype)
@@ -190,6 +183,21 @@ class ModelConfig:
     @property
     def architectures(self) -> list[str]:
         return list(getattr(self.hf_config, "architectures", None) or [])
+
+
+def apply_hf_overrides(config: PretrainedConfig, overrides: Any) -> PretrainedConfig:
+    """`config` changed by `overrides` (see ModelConfig.hf_overrides)."""
+    if callable(overrides):
+        return overrides(config)
+    if not isinstance(overrides, Mapping) or not all(isinstance(key, str) for key in overrides):
+        raise ValueError(f"hf_overrides must be a dict of config.json keys to values, or a function; got {overrides!r}")
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, Mapping) and isinstance(current, PretrainedConfig):
+            apply_hf_overrides(current, value)  # a nested config, updated key by key
+        else:
+            setattr(config, key, value)
+    return config
 
 
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -283,16 +291,19 @@ class ParallelConfig:
         self.distributed_executor_backend = backend or "mp"
 
 
+_ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, MultiModalConfig, ParallelConfig)
+_RENAMES = {"limit_mm_per_prompt": "limit_per_prompt"}
+
+
 def engine_configs(model: str, **options: Any) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig]:
     """The configurations of an engine for a model folder (or GGUF file); options are fields of ModelConfig,
     CacheConfig, SchedulerConfig, ParallelConfig and MultiModalConfig (limit_mm_per_prompt is
-    MultiModalConfig.limit_per_prompt). An unknown option raises ValueError."""
-    configs = (ModelConfig, CacheConfig, SchedulerConfig, MultiModalConfig, ParallelConfig)
-    groups: dict[type, dict[str, Any]] = {c: {} for c in configs}
-    renames = {"limit_mm_per_prompt": "limit_per_prompt"}
-    settable = {c: {f.name for f in fields(c) if f.init} for c in configs}  # not hf_config, gguf_file
-    for name, value in options.items():
-        name = renames.get(name, name)
+    MultiModalConfig.limit_per_prompt), and the options plugins add (`tessera.plugins`). An unknown option
+    raises ValueError."""
+    groups: dict[type, dict[str, Any]] = {c: {} for c in _ENGINE_CONFIGS}
+    settable = {c: {f.name for f in fields(c) if f.init} for c in _ENGINE_CONFIGS}  # not hf_config, gguf_file
+    for name, value in resolve_plugin_options(options).items():
+        name = _RENAMES.get(name, name)
         owner = next((c for c in groups if name in settable[c]), None)
         if owner is None:
             raise ValueError(f"Unknown LLM option {name!r}")
@@ -305,3 +316,9 @@ def engine_configs(model: str, **options: Any) -> tuple[ModelConfig, CacheConfig
         SchedulerConfig(**groups[SchedulerConfig]),
         ParallelConfig(**groups[ParallelConfig]),
     )
+
+
+def engine_option_names() -> set[str]:
+    """Every option `engine_configs` takes (the plugins' included)."""
+    names = {f.name for c in _ENGINE_CONFIGS for f in fields(c) if f.init} - {"multimodal_config"}
+    return names | set(_RENAMES) | plugin_option_names()

@@ -18,10 +18,10 @@ from tessera.gguf_file import (
     load_gguf_tokenizer,
     read_gguf_metadata,
 )
+from tessera.special_tokens import adds_special_token
 from tessera.tokenizer_utils import load_tokenizer
 from testkit import build_tiny_gguf
 from testkit.tokenizer import CHATML_TEMPLATE
-from tessera.special_tokens import adds_special_token
 
 pytest.importorskip("gguf", reason="the gguf package writes and reads the test files (pip install gguf)")
 

@@ -43,8 +43,8 @@ def parse_chat_messages(
     messages: Sequence[Message], load_image: ImageLoader, image_text: Optional[str] = None
 ) -> tuple[list[dict], list[Any]]:
     """(messages in the form HF chat templates take, the images in order of appearance). With
-    `image_text` (pipeline mode: a text model's template knows no images) each message becomes
-    one string with `image_text` where its images were. Malformed messages raise InputError."""
+    `image_text` (a model whose template takes text only: `chat_placeholders_inline`) each message
+    becomes one string with `image_text` where its images were. Malformed messages raise InputError."""
     hf_messages, images, _ = parse_chat_messages_with_uuids(messages, load_image, image_text)
     return hf_messages, images
 
@@ -68,7 +68,7 @@ def parse_chat_media(
 ) -> tuple[list[dict], dict[str, list[Any]], dict[str, list[Optional[str]]]]:
     """(HF messages, {"image": [...], "video": [...]} loaded in order of appearance, their ids
     {"image": [...], "video": [...]}). `load_video(url)` loads a video_url part's video (by
-    default video parts are refused); in pipeline mode (`image_text`) videos are refused."""
+    default video parts are refused); with `image_text` (text-only templates) videos are refused."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InputError(f"messages must be a list of message objects, got {type(messages).__name__}.")
     media: dict[str, list[Any]] = {"image": [], "video": []}
@@ -125,7 +125,7 @@ def parse_chat_media(
                     raise InputError(f"{where}.uuid must be a string (the video's id), got {_kind(uuid)}.")
                 url = media_url_of(part, "video")
                 if image_text is not None:
-                    raise InputError("Video input is not supported with a multimodal pipeline; send images or text.")
+                    raise InputError("Video input is not supported by this model; send images or text.")
                 media["video"].append(load_video(url))
                 uuids["video"].append(uuid)
                 parts.append({"type": "video"})
@@ -325,7 +325,7 @@ def render_plain(
     load_video: VideoLoader = no_video,
     video_placeholder: Optional[Placeholder] = None,
 ) -> dict:
-    """For a model without a chat template (e.g. Fuyu, or a text model with a pipeline): the last
+    """For a model without a chat template (e.g. Fuyu, or a text model given eyes by a plugin): the last
     message as it is, its text parts joined by spaces after its images' and videos' placeholders."""
     parts = messages[-1]["content"]
     if isinstance(parts, str):

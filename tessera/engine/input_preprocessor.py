@@ -32,8 +32,9 @@ class InputPreprocessor:
         placeholder: Optional[Callable[[int], Optional[str]]] = None,
         video_placeholder: Optional[Placeholder] = None,
     ) -> None:
-        """`chat_renderer`: (what renders chat templates, the text an image part becomes in pipeline
-        mode or None); `placeholder(i)`: the model's prompt text for image i, if it has one;
+        """`chat_renderer`: (what renders chat templates, the text an image part becomes where the
+        model's template takes text only, or None); `placeholder(i)`: the model's prompt text for image i,
+        if it has one;
         `video_placeholder(i)`: its text for video i, given only for a model that takes videos."""
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -85,7 +86,7 @@ class InputPreprocessor:
     @property
     def takes_video(self) -> bool:
         """Whether chat messages may hold video_url parts for this model (it has a prompt text for
-        videos and is not a text model with an image pipeline)."""
+        videos and its chat template does not take text only)."""
         return self.video_placeholder is not None and self.image_text is None
 
     def video_loader(self, load_video: Optional[VideoLoader]) -> VideoLoader:

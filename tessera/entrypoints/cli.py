@@ -20,6 +20,7 @@ from typing import Any, Optional, TextIO
 from ..config import AUTO_QUANTIZATION, DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_METHODS
 from ..gguf_file import find_gguf_file
 from ..multimodal.media import LOCAL_FILES, MediaPolicy, check_media_io_kwargs, load_image_url, load_video_url
+from ..plugins import add_plugin_cli_arguments, plugin_options_from_cli
 from ..sampling_params import SamplingParams
 from . import bench_serve as bench_serve_module
 
@@ -74,10 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=32 * 2**20, help="larger bodies get 413")
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                        help="engine replicas, each a process of its own, routed by image (default 1)")  # fmt: skip
-    serve.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="S",
-                       help="on SIGTERM, seconds running requests get to finish before they are ended (default 5)")
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="on SIGTERM, seconds running requests get to finish before they are ended (default 5)",
+    )
     _mm_processor_kwargs_option(serve)
-    _pipeline_options(serve)
+    add_plugin_cli_arguments(serve)  # the options installed plugins add
 
     bench = commands.add_parser("bench", help="benchmark a running server",
                                 description="Benchmarks: `tessera bench serve` loads an OpenAI-compatible "
@@ -122,13 +128,17 @@ def _mm_processor_kwargs_option(parser: argparse.ArgumentParser) -> None:
                         help="keyword arguments for the model's HF processor, as HF takes them, e.g. "
                         "'{\"max_pixels\": 313600}' for Qwen-VL (applied to every prompt; a request's own go over "
                         "them key by key; an option the processor does not take is refused)")  # fmt: skip
+    parser.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                        help="changes to the model's config.json, e.g. '{\"architectures\": [\"MyModel\"]}' "
+                        "for a model class a plugin registers")  # fmt: skip
 
 
 def _mm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """LLM / engine options for --mm-processor-kwargs, --device, --dtype, --quantization and the parallel
-    options (those given)."""
+    """LLM / engine options for --mm-processor-kwargs, --hf-overrides, --device, --dtype, --quantization and
+    the parallel options (those given)."""
     options = {
-        "mm_processor_kwargs": args.mm_processor_kwargs, "device": args.device, "dtype": args.dtype,
+        "mm_processor_kwargs": args.mm_processor_kwargs, "hf_overrides": args.hf_overrides,
+        "device": args.device, "dtype": args.dtype,
         "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_executor_backend": args.distributed_executor_backend,
     }  # fmt: skip
@@ -157,30 +167,6 @@ def _device_options(parser: argparse.ArgumentParser) -> None:
                         "on the cluster of RAY_ADDRESS, else a local Ray; pip install 'tessera[ray]')")  # fmt: skip
 
 
-def _pipeline_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--multimodal-pipeline", default=None, metavar="NAME",
-                        help="add a vision pipeline to a text model ('auto': chosen by the model's name)")  # fmt: skip
-    parser.add_argument("--pipelines-dir", default=None, metavar="DIR", help="a folder of extra pipeline modules")
-    parser.add_argument("--pipeline-param", action="append", default=[], metavar="KEY=VALUE",
-                        help="a pipeline setting, e.g. vision_tower=DIR or vision_bits=16 (repeatable)")  # fmt: skip
-
-
-def _pipeline_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """LLM / engine options for the pipeline flags (none when pipeline mode is off)."""
-    params = {}
-    for item in args.pipeline_param:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--pipeline-param takes KEY=VALUE, got {item!r}.")
-        params[key.strip()] = value.strip()
-    if not (args.multimodal_pipeline or args.pipelines_dir):
-        if params:
-            raise ValueError("--pipeline-param needs --multimodal-pipeline or --pipelines-dir.")
-        return {}
-    return {"multimodal_pipeline": args.multimodal_pipeline, "pipelines_dir": args.pipelines_dir,
-            "pipeline_params": params}  # fmt: skip
-
-
 MODEL_HELP = "a local Hugging Face model folder or a .gguf file (default: the bundled demo model)"
 
 
@@ -200,7 +186,7 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="MODEL", help=MODEL_HELP)
     _mm_processor_kwargs_option(parser)
     _media_io_kwargs_option(parser)
-    _pipeline_options(parser)
+    add_plugin_cli_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=128, help="longest answer in tokens (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default), higher for variety")
 
@@ -215,7 +201,7 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
         if args.command == "generate":  # refuse a missing file before loading the model
             messages = [_user_message(args.prompt, args.image, args.video)]
-        llm = _load(_model_of(args), stdout, {**_pipeline_kwargs(args), **_mm_kwargs(args)})
+        llm = _load(_model_of(args), stdout, {**plugin_options_from_cli(args), **_mm_kwargs(args)})
         if args.command == "generate":
             _stream_answer(llm, messages, params, stdout, args.media_io_kwargs)
         else:
@@ -265,7 +251,7 @@ def _serve(args: argparse.Namespace) -> int:
                      max_request_bytes=args.max_request_bytes, kv_cache_memory=args.kv_cache_memory,
                      media_io_kwargs=args.media_io_kwargs, tool_call_parser=args.tool_call_parser,
                      data_parallel_size=args.data_parallel_size, shutdown_timeout=args.shutdown_timeout,
-                     **_pipeline_kwargs(args), **_mm_kwargs(args))  # fmt: skip
+                     **plugin_options_from_cli(args), **_mm_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)
         return 1

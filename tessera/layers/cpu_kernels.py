@@ -76,7 +76,9 @@ def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     return grouped.view(rows, cols)
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
     """x [rows, in] through an int8 weight-only linear where the native kernel does not run: F.linear on the
     de-quantized weight."""
     return F.linear(x, dequantize_int8(qweight, scale, x.dtype), bias)

@@ -37,7 +37,10 @@ class RotaryFrequencies(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def tables(
-        self, positions: torch.Tensor, dtype: torch.dtype, angles: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        angles: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 # model_type -> (HF's default mrope_section, interleaved). HF's modeling classes fall back to these

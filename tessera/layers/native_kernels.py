@@ -230,9 +230,10 @@ def pack_int8(
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """4-bit values q (0..15) [N, K] (K a multiple of 4) with a scale and a zero per group, [N, K / G] each
-    (w = (q - p) * scale + zero, p the kernel's zero point) -> the layout `gemv_int4` streams: uint8 [ceil(N / 16), K / 4, 16, 2], of each
-    4 k byte (i, 0) holding output i's q at k 4t (low nibble) and 4t + 2 (high), byte (i, 1) those at 4t + 1 and
-    4t + 3; and scales [ceil(N / 16), K / G, 2, 16] (rows past N zero)."""
+    (w = (q - p) * scale + zero, p the kernel's zero point) -> the layout `gemv_int4` streams:
+    uint8 [ceil(N / 16), K / 4, 16, 2], of each 4 k byte (i, 0) holding output i's q at k 4t (low nibble) and
+    4t + 2 (high), byte (i, 1) those at 4t + 1 and 4t + 3; and scales [ceil(N / 16), K / G, 2, 16] (rows past N
+    zero)."""
     n, k = q.shape
     quads = q.to(torch.uint8).view(n, k // 4, 2, 2)
     nibbles = quads[:, :, 0] | (quads[:, :, 1] << 4)  # [N, K / 4, 2]

@@ -253,7 +253,10 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def tables(
-        self, positions: torch.Tensor, dtype: torch.dtype, angles: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        angles: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed_sin) [T, 1, rotary_dim] in `dtype` for `apply_rotary` at `positions` (angles: `self.angles`
         unless given), computed once per positions tensor and dtype."""

@@ -19,12 +19,17 @@ class SupportsMultiModal:
     supports_multimodal: ClassVar[Literal[True]] = True
 
     multimodal_parts: ClassVar[Mapping[str, str]] = {}
+    """Attribute names of the parts that may get their own dtype and device, under the keys
+    "vision" (the vision tower) and "projector"."""
 
     is_mm_prefix_lm: ClassVar[bool] = False
     """The tokens of one item attend to each other both ways (Gemma 3, PaliGemma): the engine
     passes each prompt's item spans to attention and never splits an item across prefill chunks."""
-    """Attribute names of the parts that may get their own dtype and device, under the keys
-    "vision" (the vision tower) and "projector"."""
+
+    chat_placeholders_inline: ClassVar[bool] = False
+    """The model's chat template takes text only (a text model given eyes by a plugin): chat renders
+    with the tokenizer, each message as one string with `get_placeholder_str("image", i)` where its
+    image parts were; video parts are refused."""
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> Optional[str]:

@@ -30,10 +30,11 @@ from .registry import ModelRegistry
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
 
 
-def load_model(model_config: ModelConfig, *, ignore_prefixes: tuple[str, ...] = ()) -> nn.Module:
+def load_model(model_config: ModelConfig) -> nn.Module:
     """Build the model class named by config.json and load its weights, parts placed as configured.
-    Checkpoint tensors whose names start with `ignore_prefixes` are skipped (e.g. a LLaVA
-    checkpoint's own projector when its text model runs under a vision pipeline)."""
+    Checkpoint tensors whose names start with the model's `ignored_checkpoint_prefixes` are skipped (parts
+    of the checkpoint the class does not run); a model with a `finish_loading(model_config)` method gets it
+    called last, to load what is not in the checkpoint."""
     model_cls, architecture = ModelRegistry.resolve_model_cls(model_config.architectures)
     if uses_mrope(model_config.hf_config) and not supports_mrope(model_cls):
         raise ValueError(
@@ -44,6 +45,7 @@ def load_model(model_config: ModelConfig, *, ignore_prefixes: tuple[str, ...] = 
     with torch.device("meta"):  # no memory, no random init: every tensor comes from the checkpoint
         model = model_cls(model_config.hf_config)
     check_tensor_parallel(model, architecture)
+    ignore_prefixes = tuple(getattr(model, "ignored_checkpoint_prefixes", ()))
     blocks: dict[str, QuantizedBlocks] = {}
     if model_config.gguf_file is not None:
         from .gguf import iter_gguf_checkpoint
@@ -58,6 +60,8 @@ def load_model(model_config: ModelConfig, *, ignore_prefixes: tuple[str, ...] = 
     if model_config.quantization is not None:  # the language model only: vision tower and projector keep their dtype
         quantize_linears(model, model_config.quantization, skip=getattr(model, "multimodal_parts", {}).values(),
                          blocks=blocks_by_layer(model, blocks))  # fmt: skip
+    if hasattr(model, "finish_loading"):
+        model.finish_loading(model_config)
     return model.eval()
 
 
@@ -89,6 +93,16 @@ def blocks_by_layer(model: nn.Module, blocks: Mapping[str, QuantizedBlocks]) -> 
             if joined is not None and joined.q.shape[1] == module.in_features:
                 by_layer[name] = joined
     return by_layer
+
+
+def check_class_tensor_parallel(model_config: ModelConfig) -> None:
+    """Before any rank starts: refuse tensor parallelism for a model class that says it cannot split
+    (`supports_tensor_parallel = False` on the class)."""
+    model_cls, architecture = ModelRegistry.resolve_model_cls(model_config.architectures)
+    if getattr(model_cls, "supports_tensor_parallel", True) is False:
+        raise ValueError(
+            f"{architecture} ({model_cls.__name__}) does not support tensor parallelism; use tensor_parallel_size=1."
+        )
 
 
 def check_tensor_parallel(model: nn.Module, architecture: str) -> None:

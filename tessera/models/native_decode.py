@@ -52,7 +52,9 @@ class NativeDecodeLayer:
         """The native layer for `layer` (its weights as they are now: built after loading and packing), or None
         where it cannot run it."""
         attn = layer.self_attn
-        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+        linears = {
+            "qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj
+        }
         norms = {role: getattr(layer, name) for role, name in layer.NATIVE_NORMS.items()}
         if attn.q_norm is not None:
             norms.update(q=attn.q_norm, k=attn.k_norm)

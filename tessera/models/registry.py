@@ -1,5 +1,7 @@
 """ModelRegistry: config.json `architectures` -> model class, built-in or registered out of tree;
-and a multimodal model's `text_config.model_type` -> the class of its language model."""
+and a multimodal model's `text_config.model_type` -> the class of its language model. Plugins
+(`tessera.plugins`) are loaded before the first registration or lookup, so that a class a plugin
+registers is found, and one the user registers afterwards replaces it."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Union
 
 from transformers import PretrainedConfig
+
+from ..plugins import load_plugins
 
 if TYPE_CHECKING:
     from torch import nn
@@ -59,24 +63,30 @@ class _ModelRegistry:
     def register_model(self, architecture: str, model_cls: Union[type, str]) -> None:
         """Register `model_cls` (a class, or "module.path:ClassName" imported lazily) for an
         architecture name as written in config.json, as vLLM plugins do."""
+        load_plugins()
         _register(self._models, "Architecture", architecture, model_cls)
 
     def register_text_model(self, model_type: str, model_cls: Union[type, str]) -> None:
         """Register the language model class (as in register_model) that multimodal models build
         for a `text_config.model_type`; it takes the text config and has the CausalLM interface."""
+        load_plugins()
         _register(self._text_models, "Text model type", model_type, model_cls)
 
     def get_supported_archs(self) -> list[str]:
+        load_plugins()
         return sorted(self._models)
 
     def get_supported_text_model_types(self) -> list[str]:
+        load_plugins()
         return sorted(self._text_models)
 
     def load_model_cls(self, architecture: str) -> type:
+        load_plugins()
         return _load(self._models, architecture)
 
     def resolve_text_model_cls(self, text_config: PretrainedConfig) -> type:
         """The language model class for a multimodal config's `text_config` (by its model_type)."""
+        load_plugins()
         model_type = text_config.model_type
         if model_type not in self._text_models:
             raise ValueError(
@@ -100,6 +110,7 @@ class _ModelRegistry:
 
     def resolve_model_cls(self, architectures: Sequence[str]) -> tuple[type, str]:
         """The first supported architecture of a config's `architectures` list."""
+        load_plugins()
         for arch in architectures:
             if arch in self._models:
                 return self.load_model_cls(arch), arch

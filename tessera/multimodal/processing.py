@@ -99,7 +99,7 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
         """Apply to token ids what the HF processor does to text regardless of the items."""
         return prompt_tokens
 
-    # ---- the pipeline ----------------------------------------------------------------------
+    # ---- the processing steps, in order -----------------------------------------------------
 
     def apply(
         self,

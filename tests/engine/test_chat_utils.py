@@ -28,7 +28,7 @@ def test_plain_strings_in_a_content_list_are_text_parts():
     assert hf[0]["content"] == [{"type": "text", "text": "How many"}, {"type": "text", "text": " shapes?"}]
 
 
-def test_pipeline_mode_joins_each_message_into_one_string():
+def test_a_text_only_template_gets_each_message_as_one_string():
     hf, images = parse([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}, "Hi"]}], "<I>")
     assert hf == [{"role": "user", "content": "<I>Hi"}] and images == ["loaded:u"]
 

@@ -62,7 +62,7 @@ def test_plain_rendering_puts_the_placeholders_first_in_part_order():
     [
         lambda: parse_chat_messages_with_uuids(MIXED, load_image),  # the image-only API refuses videos
         lambda: parse_chat_media(MIXED, load_image),
-        lambda: parse_chat_media(MIXED, load_image, "<I>", load_video=load_video),  # pipeline mode: images only
+        lambda: parse_chat_media(MIXED, load_image, "<I>", load_video=load_video),  # a text-only template: images only
     ],
 )
 def test_videos_are_refused_where_they_are_not_taken(call):

@@ -14,8 +14,8 @@ from tessera import LLM, SamplingParams
 from tessera.config import engine_configs
 from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.executor.data_parallel import DataParallelClient
-from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.executor.replica import ReplicaClient
+from tessera.engine.llm_engine import LLMEngine
 from tessera.multimodal.hasher import MultiModalHasher
 from tessera.multimodal.video import decode_video
 from testkit import random_images, video_bytes

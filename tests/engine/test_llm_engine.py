@@ -280,7 +280,8 @@ def test_the_profile_run_leaves_nothing_behind_and_rebuilds_nothing(tiny_llava_d
     engine = make_llm(tiny_llava_dir).engine
     assert engine.core.scheduler.block_manager is engine.core.block_manager
     assert engine.core.scheduler.encoder_cache is engine.core.encoder_cache
-    assert not engine.core.block_manager.cached_blocks and engine.core.block_manager.num_free_blocks == engine.core.num_blocks
+    block_manager = engine.core.block_manager
+    assert not block_manager.cached_blocks and block_manager.num_free_blocks == engine.core.num_blocks
     assert not engine.core.encoder_cache.entries and engine.core.encoder_cache.num_encoded == 0
     assert not engine.output_processor.requests and not engine.has_unfinished_requests()
 

@@ -169,7 +169,7 @@ def test_serve_passes_device_and_dtype_to_the_engine(tiny_llava_dir, monkeypatch
     monkeypatch.setattr(api_server, "serve", lambda model, **options: seen.update(options) or 0)
     assert run(["serve", str(tiny_llava_dir), *flags])[0] == 0
     assert (seen.get("device"), seen.get("dtype")) == (("cpu", "bfloat16") if flags else (None, None))
-    assert "device" in api_server.ENGINE_OPTIONS and "dtype" in api_server.ENGINE_OPTIONS
+    assert "device" in api_server.engine_option_names() and "dtype" in api_server.engine_option_names()
 
 
 def test_generate_runs_on_the_device_and_dtype_given(tiny_llava_dir, image_file, monkeypatch):
@@ -265,7 +265,7 @@ def test_quantization_flag_reaches_the_engine_on_every_command(tiny_llava_dir, m
     seen = {}
     monkeypatch.setattr(api_server, "serve", lambda model, **options: seen.update(options) or 0)
     assert run(["serve", str(tiny_llava_dir), "--quantization", "int8"])[0] == 0
-    assert seen.get("quantization") == "int8" and "quantization" in api_server.ENGINE_OPTIONS
+    assert seen.get("quantization") == "int8" and "quantization" in api_server.engine_option_names()
     code, out = run(
         ["generate", "Hello", "--model", str(tiny_llava_dir), "--max-tokens", "4", "--quantization", "int8"]
     )
@@ -292,7 +292,7 @@ def test_parallel_flags_reach_the_engine(tiny_llava_dir, monkeypatch, capsys):
     flags = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]
     assert run(["serve", str(tiny_llava_dir), *flags])[0] == 0
     assert seen["tensor_parallel_size"] == 2 and seen["distributed_executor_backend"] == "ray"
-    assert {"tensor_parallel_size", "distributed_executor_backend"} <= set(api_server.ENGINE_OPTIONS)
+    assert {"tensor_parallel_size", "distributed_executor_backend"} <= set(api_server.engine_option_names())
     loaded = {}
     monkeypatch.setattr(cli, "_load", lambda model, out, options=None: loaded.update(options) or (_ for _ in ()).throw(
         SystemExit(0)))  # fmt: skip
@@ -302,3 +302,20 @@ def test_parallel_flags_reach_the_engine(tiny_llava_dir, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         run(["generate", "Hello", "--model", str(tiny_llava_dir), "--distributed-executor-backend", "slurm"])
     assert "invalid choice: 'slurm'" in capsys.readouterr().err
+
+
+def test_hf_overrides_flag_reaches_the_engine(tiny_llava_dir, monkeypatch, capsys):
+    """--hf-overrides JSON changes the config as read: given a text config with one more layer than the
+    checkpoint holds, loading fails naming the missing weights; not JSON is refused by the parser."""
+    from tessera.entrypoints.openai import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server, "serve", lambda model, **options: seen.update(options) or 0)
+    layers = json.loads((tiny_llava_dir / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    overrides = {"text_config": {"num_hidden_layers": layers + 1}}
+    assert run(["serve", str(tiny_llava_dir), "--hf-overrides", json.dumps(overrides)])[0] == 0
+    assert seen["hf_overrides"] == overrides and "hf_overrides" in api_server.engine_option_names()
+    code, _ = run(["generate", "Hi", "--model", str(tiny_llava_dir), "--hf-overrides", json.dumps(overrides)])
+    assert code == 1 and f"layers.{layers}." in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run(["generate", "Hi", "--model", str(tiny_llava_dir), "--hf-overrides", "{not json"])

@@ -134,7 +134,8 @@ def test_the_quantized_layouts_put_16_outputs_side_by_side():
                 value = int(packed[row // 16, t, row % 16, byte])
                 assert (value & 15, value >> 4) == (int(q4[row, 4 * t + byte]), int(q4[row, 4 * t + 2 + byte]))
         for g in range(2):
-            assert scales[row // 16, g, 0, row % 16] == scale[row, g] and scales[row // 16, g, 1, row % 16] == -scale[row, g]
+            block, lane = row // 16, row % 16
+            assert scales[block, g, 0, lane] == scale[row, g] and scales[block, g, 1, lane] == -scale[row, g]
 
 
 def test_one_scale_per_output_is_repeated_over_groups_the_kernel_sums_in_int32():
@@ -219,4 +220,5 @@ def test_quant_isa_needs_vnni_for_avx512(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert nk.quant_isa() == nk.ISA_AVX2
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
-    assert nk.quant_isa() == (nk.ISA_AVX512 if nk.cpu_isa() == nk.ISA_AVX512 and "avx512_vnni" in nk._cpu_flags() else nk.cpu_isa())
+    vnni = nk.cpu_isa() == nk.ISA_AVX512 and "avx512_vnni" in nk._cpu_flags()
+    assert nk.quant_isa() == (nk.ISA_AVX512 if vnni else nk.cpu_isa())

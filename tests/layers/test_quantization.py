@@ -293,7 +293,8 @@ def test_int4_linear_equals_the_dequantized_matmul(kernels, mode, dtype, rows, s
     ] * 3
     padded = -(-out_features // 16) * 16
     if layer.quant_kernel == INT4_MM:
-        assert layer.qweight.shape == (padded, in_features // 2) and layer.qscale.shape == (in_features // 32, padded, 2)
+        assert layer.qweight.shape == (padded, in_features // 2)
+        assert layer.qscale.shape == (in_features // 32, padded, 2)
         assert (layer.qscale[:, out_features:] == 0).all()  # padding rows de-quantize to 0
     elif layer.quant_kernel == NATIVE:
         assert layer.qweight.shape == (padded // 16, in_features // 4, 16, 2)

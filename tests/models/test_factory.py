@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tessera.config import ModelConfig, MultiModalConfig
+from tessera.config import ModelConfig
 from tessera.models.factory import BuiltModel, build_model
-from testkit import random_images
 from tessera.tokenizer_utils import load_tokenizer
+from testkit import random_images
 
 
 def test_a_multimodal_folder_gets_its_registered_processor(tiny_llava_dir):
@@ -18,7 +18,7 @@ def test_a_multimodal_folder_gets_its_registered_processor(tiny_llava_dir):
     built = build_model(config, tokenizer)
     assert isinstance(built, BuiltModel)
     assert type(built.model).__name__ == "LlavaForConditionalGeneration" and not built.model.training
-    assert type(built.processor).__name__ == "LlavaMultiModalProcessor" and built.pipeline is None
+    assert type(built.processor).__name__ == "LlavaMultiModalProcessor"
     assert built.processor.info.get_tokenizer() is tokenizer
     renderer, image_text = built.inputs.chat_renderer()
     assert type(renderer).__name__ == "LlavaProcessor" and image_text is None
@@ -33,15 +33,8 @@ def test_a_text_model_has_no_processor_and_renders_chat_with_its_tokenizer(tmp_p
     tokenizer = load_tokenizer(config)
     built = build_model(config, tokenizer)
     assert type(built.model).__name__ == "LlamaForCausalLM"
-    assert built.processor is None and built.pipeline is None
+    assert built.processor is None
     assert built.inputs.chat_renderer() == (tokenizer, None)
-
-
-def test_unsupported_architectures_fail_even_in_pipeline_mode(tmp_path, tiny_llava_dir):
-    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
-    config = ModelConfig(str(tmp_path), device="cpu", multimodal_config=MultiModalConfig(multimodal_pipeline="auto"))
-    with pytest.raises(ValueError, match="not supported"):
-        build_model(config, tokenizer=None)
 
 
 def test_an_mrope_config_is_refused_for_a_model_without_mrope(tmp_path):

@@ -8,8 +8,8 @@ import torch
 
 from tessera import LLM, SamplingParams
 from tessera.config import ModelConfig
-from tessera.layers.attention import AttentionMetadata, attention_metadata
 from tessera.layers import native_kernels as nk
+from tessera.layers.attention import AttentionMetadata, attention_metadata
 from tessera.layers.cpu_kernels import DEQUANT, ENV, NATIVE
 from tessera.layers.kv_cache import allocate_kv_cache
 from tessera.layers.quantization import dequantized_weight

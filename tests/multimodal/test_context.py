@@ -5,7 +5,6 @@ and called with the same kwargs, and token counts from the tiny checkpoints' geo
 
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest

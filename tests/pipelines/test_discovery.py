@@ -131,7 +131,7 @@ def test_generation_stitches_text_and_image_embeddings_in_order(plugins, colourf
         kv_cache_memory="64MiB",
         pipeline_params={"hidden_size": AutoConfig.from_pretrained(colourful_model).hidden_size},
     )  # fmt: skip  (selected by the folder name)
-    pipeline = llm.engine.core.built.pipeline
+    pipeline = llm.engine.core.built.model.pipeline
     assert pipeline.name() == "mean-colour"
     images = random_images([(20, 30), (32, 16)], seed=3)
     texts = ["USER: ", " and ", "\nCompare. ASSISTANT:"]

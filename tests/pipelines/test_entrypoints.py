@@ -67,4 +67,27 @@ def test_server_completion_with_an_inline_img_tag(llava_parts):
         engine.shutdown()
     expected = reference(llava_parts, image, "USER: <image>\nWhat is this? ASSISTANT:")
     assert response["choices"][0]["text"] == expected
-    assert response["usage"]["prompt_tokens"] > engine.engine.core.built.pipeline.num_image_embeds()
+    assert response["usage"]["prompt_tokens"] > engine.engine.core.built.model.pipeline.num_image_embeds()
+
+
+def test_data_parallel_replicas_run_the_pipeline_plugin(llava_parts):
+    """Replica processes load the plugin themselves (by its entry point) and build the pipeline model from
+    the options: the same tokens as one engine in this process."""
+    options = {"kv_cache_memory": "64MiB", "multimodal_pipeline": "llava-v1.5-7b",
+               "pipeline_params": {"vision_tower": str(llava_parts["vision"])}}  # fmt: skip
+    images = random_images([(40, 30), (24, 48)], seed=12)
+    text = "USER: <image>\nWhat is this? ASSISTANT:"
+    prompts = [{"prompt": text, "multi_modal_data": {"image": image}} for image in images]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [out.outputs[0].token_ids for out in LLM(str(llava_parts["text"]), **options).generate(
+        prompts, params, use_tqdm=False)]  # fmt: skip
+    engine = LLMEngine.data_parallel(str(llava_parts["text"]), options, 2)
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        done = {}
+        while len(done) < len(prompts):
+            done.update({out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished})
+    finally:
+        engine.shutdown()
+    assert [done[str(i)] for i in range(len(prompts))] == expected

@@ -32,7 +32,7 @@ def test_same_greedy_tokens_as_the_processor_based_llava(tiny_llava_dir, llava_p
     llm = pipeline_llm(llava_parts)
     got = llm.generate([*prompts, two], params, use_tqdm=False)
     image_token = native.engine.model_config.hf_config.image_token_index  # LLaVA's <image>
-    placeholder = llm.engine.core.built.pipeline.placeholder_token_id()  # v1.5 pipelines: <unk>
+    placeholder = llm.engine.core.built.model.pipeline.placeholder_token_id()  # v1.5 pipelines: <unk>
     for e, g in zip(expected, got):  # the same prompt, image positions included
         assert g.prompt_token_ids == [placeholder if t == image_token else t for t in e.prompt_token_ids]
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
@@ -45,7 +45,7 @@ def test_chat_image_parts_and_model_name_selection(tiny_llava_dir, llava_parts, 
     # multimodal_pipeline="auto": chosen by the folder name ("tiny-llava-v1.5-7b")
     llm = LLM(str(llava_parts["text"]), multimodal_pipeline="auto", kv_cache_memory="64MiB",
               pipeline_params={"vision_tower": str(llava_parts["vision"])})  # fmt: skip
-    assert llm.engine.core.built.pipeline.name() == "llava-v1.5-7b"
+    assert llm.engine.core.built.model.pipeline.name() == "llava-v1.5-7b"
     message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(path)}},
                                            {"type": "text", "text": "What is this?"}]}  # fmt: skip
     prompt = llm.render_chat(
@@ -57,12 +57,12 @@ def test_chat_image_parts_and_model_name_selection(tiny_llava_dir, llava_parts, 
 def test_truncation_keeps_only_whole_images_and_counts_the_dropped(llava_parts, caplog):
     llm = pipeline_llm(llava_parts)
     images = random_images([(40, 30), (24, 48), (32, 32)], seed=4)
-    num_embeds = llm.engine.core.built.pipeline.num_image_embeds()
+    num_embeds = llm.engine.core.built.model.pipeline.num_image_embeds()
     prompt = {"prompt": "USER: <image> one <image> two <image>" + QUESTION, "multi_modal_data": {"image": images}}
     keep = num_embeds + 12  # room for the last image and the text after it, not for a second image
     with caplog.at_level(logging.WARNING):
         (out,) = llm.generate(prompt, SamplingParams(max_tokens=2, truncate_prompt_tokens=keep), use_tqdm=False)
-    placeholder = llm.engine.core.built.pipeline.placeholder_token_id()
+    placeholder = llm.engine.core.built.model.pipeline.placeholder_token_id()
     assert out.prompt_token_ids.count(placeholder) == num_embeds  # one whole image left, none cut
     assert len(out.prompt_token_ids) <= keep
     assert "dropped 2 image(s)" in caplog.text

@@ -22,7 +22,6 @@ from ...outputs import RequestMetrics
 from ...sampling_params import SamplingParams
 from .request import MultiModalItem, RequestStatus
 
-
 _SMALLER_SETTINGS = " (or processor settings that make it smaller, e.g. a lower max_pixels in mm_processor_kwargs)"
 
 

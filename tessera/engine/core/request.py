@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 

@@ -27,6 +27,7 @@ from ..core.client import report_death
 from ..core.core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
 from .replica import ReplicaClient, next_outputs
 
+
 def routing_key(request: EngineCoreRequest) -> Optional[str]:
     """The key a sequence is routed by: its first item's hash, or None for a prompt without items."""
     return f"hash:{request.mm_items[0].hash}" if request.mm_items else None

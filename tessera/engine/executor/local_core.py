@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from ...models.loader import check_class_tensor_parallel
 from ..core.engine_core import EngineCore
 from .workers import WorkerGroup, start_workers
 
@@ -19,7 +20,6 @@ def start_core(
     parallel_config = parallel_config or ParallelConfig()
     workers: Optional[WorkerGroup] = None
     if parallel_config.tensor_parallel_size > 1:
-        if model_config.multimodal_config.uses_pipeline:
-            raise ValueError("Vision pipelines do not support tensor parallelism; use tensor_parallel_size=1.")
+        check_class_tensor_parallel(model_config)  # before any worker starts
         workers = start_workers(model_config, parallel_config)
     return EngineCore(model_config, cache_config, scheduler_config, parallel_config, workers=workers)

@@ -23,6 +23,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ...config import engine_option_names
 from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from ...engine.engine_client import EngineClient
 from ...errors import ServerBusyError
@@ -226,11 +227,6 @@ async def until_disconnected(raw: Request, work: Awaitable[T]) -> Optional[T]:
 SHUTDOWN_TIMEOUT = 5.0  # seconds running requests get to finish after SIGTERM (--shutdown-timeout)
 SHUTDOWN_FLUSH = 5.0  # seconds more for the ended ones' last events to reach their clients
 
-# serve() options that configure the engine; the rest configure the app.
-ENGINE_OPTIONS = ("kv_cache_memory", "dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                  "multimodal_pipeline", "pipelines_dir", "pipeline_params", "mm_processor_kwargs",
-                  "quantization", "tensor_parallel_size", "distributed_executor_backend")  # fmt: skip
-
 
 def serve(
     model: str,
@@ -252,11 +248,10 @@ def serve(
     On SIGTERM (or Ctrl-C) the server stops accepting connections, lets running requests finish for up to
     `shutdown_timeout` seconds, then ends the rest (a stream gets a final error event and [DONE], a whole
     response a 503) and exits with status 0."""
-    import uvicorn
-
     from ...engine.llm_engine import LLMEngine
 
-    engine_options = {k: app_options.pop(k) for k in list(app_options) if k in ENGINE_OPTIONS}
+    engine_names = engine_option_names()  # the options that configure the engine; the rest configure the app
+    engine_options = {k: app_options.pop(k) for k in list(app_options) if k in engine_names}
     if app_options.get("max_images_per_prompt") is not None:
         engine_options["limit_mm_per_prompt"] = {"image": app_options["max_images_per_prompt"]}
     if data_parallel_size != 1:

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 from ...engine.async_engine import EngineDeadError, RequestFailedError, RequestStream
-from ...engine.engine_client import EngineClient
 from ...engine.chat_utils import ContentFormat, parse_chat_media
+from ...engine.engine_client import EngineClient
 from ...engine.prompt import check_text_length
 from ...errors import InputError
 from ...multimodal.media import merge_media_io_kwargs

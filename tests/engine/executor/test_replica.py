@@ -15,8 +15,8 @@ import pytest
 from tessera import LLM, SamplingParams
 from tessera.config import engine_configs
 from tessera.engine.core.core_io import EngineCoreRequest
-from tessera.engine.llm_engine import LLMEngine
 from tessera.engine.executor.replica import ReplicaClient
+from tessera.engine.llm_engine import LLMEngine
 from tessera.errors import EngineDeadError
 from tessera.sampling_params import StructuredOutputsParams
 from testkit import random_images

@@ -1,7 +1,8 @@
-"""A vision pipeline plugin (tessera.pipelines) + a text LLM seen as one multimodal model, through
-the same interfaces as every other model: a BaseMultiModalProcessor (prompt -> tokens, images ->
-items) and a SupportsMultiModal model (items -> embeddings). So the engine has no second code path;
-factory.build_model builds it when ModelConfig.multimodal_config.uses_pipeline.
+"""A vision pipeline (tessera.pipelines) + a text LLM seen as one multimodal model, through the same
+interfaces as every other model: a BaseMultiModalProcessor (prompt -> tokens, images -> items) and a
+SupportsMultiModal model (items -> embeddings). The plugin (`plugin.py`) registers the model as the
+architecture PIPELINE_ARCHITECTURE and turns the pipeline options into `hf_overrides` naming it, so the
+engine builds it as any model and has no second code path.
 
 Prompts mark each image with IMAGE_MARKER (inline <img> tags and chat image parts become it). The
 processor splits the text at the markers, tokenizes each text part on its own (as the webui does),
@@ -10,6 +11,9 @@ and puts image_start + placeholder_token_id x num_image_embeds + image_end in ea
 
 from __future__ import annotations
 
+import functools
+import json
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -18,29 +22,32 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import nn
-from transformers import BatchFeature
+from transformers import BatchFeature, PretrainedConfig
 
 from ..config import ModelConfig
-from ..multimodal.cache import ProcessingCache
-from ..multimodal.context import InputProcessingContext
+from ..models.interfaces import MultiModalEmbeddings, SupportsMultiModal
+from ..models.registry import ModelRegistry
+from ..models.utils import module_dtype_device
+from ..multimodal import MULTIMODAL_REGISTRY
 from ..multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from ..multimodal.parse import MultiModalDataItems
 from ..multimodal.processing import BaseMultiModalProcessor, BaseProcessingInfo
 from ..multimodal.profiling import BaseDummyInputsBuilder
 from ..multimodal.prompt_updates import PromptReplacement, PromptUpdateDetails
-from ..pipelines.base import AbstractMultimodalPipeline
-from ..pipelines.discovery import load_pipeline
-from .interfaces import MultiModalEmbeddings, SupportsMultiModal
-from .loader import load_model
-from .utils import module_dtype_device
+from .base import AbstractMultimodalPipeline
+from .discovery import load_pipeline
+from .plugin import PIPELINE_SETTINGS
 
 IMAGE_MARKER = "<image>"
 
 
 class PipelineProcessingInfo(BaseProcessingInfo):
-    def __init__(self, ctx: Any, pipeline: AbstractMultimodalPipeline) -> None:
-        super().__init__(ctx)
-        self.pipeline = pipeline
+    @functools.cached_property
+    def pipeline(self) -> AbstractMultimodalPipeline:
+        """The pipeline of the model config (the loaded model's own, when it is loaded in this process)."""
+        pipeline = pipeline_of(self.ctx.model_config)
+        pipeline.attach(pipeline.text_model, self.get_tokenizer())  # type: ignore[arg-type]  (processing needs it)
+        return pipeline
 
     def get_supported_mm_limits(self) -> Mapping[str, Optional[int]]:
         return {"image": None}
@@ -114,15 +121,32 @@ def _as_rgb_tensor(image: Any) -> torch.Tensor:
     return torch.from_numpy(np.asarray(image.convert("RGB")).copy())
 
 
+@MULTIMODAL_REGISTRY.register_processor(
+    PipelineMultiModalProcessor, info=PipelineProcessingInfo, dummy_inputs=PipelineDummyInputsBuilder
+)
 class PipelineForCausalLM(nn.Module, SupportsMultiModal):
     """The text LLM with the pipeline's image embeddings merged in at the placeholder positions."""
 
-    def __init__(self, language_model: nn.Module, pipeline: AbstractMultimodalPipeline, tokenizer: Any) -> None:
+    chat_placeholders_inline = True  # a text model's chat template knows no image parts
+    supports_tensor_parallel = False  # the pipeline's vision tower runs whole, outside the ranks
+    # Original LLaVA checkpoints carry the projector and vision tower beside the text weights.
+    ignored_checkpoint_prefixes = ("model.mm_projector.", "model.vision_tower.")
+
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.language_model = language_model
-        self.pipeline = pipeline
-        pipeline.attach(language_model, tokenizer)
-        self.placeholder_token_id = pipeline.placeholder_token_id()
+        self.language_model = ModelRegistry.resolve_text_model_cls(config)(config)  # by config.model_type
+        self.pipeline: Optional[AbstractMultimodalPipeline] = None  # loaded by finish_loading
+
+    @property
+    def hf_to_tessera_prefixes(self) -> dict[str, str]:
+        """The text model's checkpoint names, under `language_model.`."""
+        inner = getattr(self.language_model, "hf_to_tessera_prefixes", {})
+        return {**{old: "language_model." + new for old, new in inner.items()}, "": "language_model."}
+
+    def finish_loading(self, model_config: ModelConfig) -> None:
+        """Called by the loader once the text weights are in: the pipeline loads its own parts."""
+        self.pipeline = pipeline_of(model_config)
+        self.pipeline.attach(self.language_model, self.pipeline.tokenizer)
 
     @classmethod
     def get_placeholder_str(cls, modality: str, i: int) -> Optional[str]:
@@ -163,38 +187,21 @@ class PipelineForCausalLM(nn.Module, SupportsMultiModal):
         return self.language_model.compute_logits(hidden_states)
 
 
-def build_with_pipeline(
-    model_config: ModelConfig, tokenizer: Any
-) -> tuple[AbstractMultimodalPipeline, PipelineMultiModalProcessor, PipelineForCausalLM]:
-    """(pipeline, processor, model) for a text model folder with a vision pipeline plugin: the
-    pipeline chosen by name, else by the folder's name, as ModelConfig.multimodal_config says."""
-    pipeline = _load_pipeline(model_config)
-    # Original LLaVA checkpoints carry the projector and vision tower beside the text weights.
-    text_model = load_model(model_config, ignore_prefixes=("model.mm_projector.", "model.vision_tower."))
-    model = PipelineForCausalLM(text_model, pipeline, tokenizer)
-    return pipeline, _pipeline_processor(model_config, pipeline, tokenizer), model
+# The pipeline of each configuration, shared by the model and its processor in one process (a pipeline
+# loads weights of its own), and dropped with them.
+_pipelines: weakref.WeakValueDictionary[tuple, AbstractMultimodalPipeline] = weakref.WeakValueDictionary()
 
 
-def build_pipeline_processor(
-    model_config: ModelConfig, tokenizer: Any
-) -> tuple[AbstractMultimodalPipeline, PipelineMultiModalProcessor]:
-    """(pipeline, processor) without the text model, for a front-end whose engine cores run elsewhere."""
-    pipeline = _load_pipeline(model_config)
-    pipeline.attach(None, tokenizer)  # type: ignore[arg-type]  (processing needs only the tokenizer)
-    return pipeline, _pipeline_processor(model_config, pipeline, tokenizer)
-
-
-def _load_pipeline(model_config: ModelConfig) -> AbstractMultimodalPipeline:
-    mm = model_config.multimodal_config
-    name = None if mm.multimodal_pipeline in (None, "auto") else mm.multimodal_pipeline
-    params = {"model_path": str(model_config.model), **mm.pipeline_params}
-    return load_pipeline(name, model_name=Path(model_config.model).name, params=params,
-                         pipelines_dir=mm.pipelines_dir)  # fmt: skip
-
-
-def _pipeline_processor(
-    model_config: ModelConfig, pipeline: AbstractMultimodalPipeline, tokenizer: Any
-) -> PipelineMultiModalProcessor:
-    info = PipelineProcessingInfo(InputProcessingContext(model_config, tokenizer), pipeline)
-    cache = ProcessingCache.from_gb(model_config.multimodal_config.mm_processor_cache_gb)
-    return PipelineMultiModalProcessor(info, PipelineDummyInputsBuilder(info), cache=cache)
+def pipeline_of(model_config: ModelConfig) -> AbstractMultimodalPipeline:
+    """The pipeline the config's PIPELINE_SETTINGS choose: by name, else by the model folder's name."""
+    settings = dict(getattr(model_config.hf_config, PIPELINE_SETTINGS, None) or {})
+    name = settings.get("name")
+    name = None if name in (None, "auto") else name
+    params = {"model_path": str(model_config.model), **(settings.get("params") or {})}
+    key = (model_config.model, name, settings.get("pipelines_dir"), json.dumps(params, sort_keys=True, default=str))
+    pipeline = _pipelines.get(key)
+    if pipeline is None:
+        pipeline = load_pipeline(name, model_name=Path(model_config.model).name, params=params,
+                                 pipelines_dir=settings.get("pipelines_dir"))  # fmt: skip
+        _pipelines[key] = pipeline
+    return pipeline
