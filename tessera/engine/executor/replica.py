@@ -5,7 +5,8 @@ it has work. Requests reach it processed (`EngineCoreRequest`: token ids, items 
 tensors), so the child never renders a chat, loads an image or runs the HF processor, and each item is
 hashed once, by the front-end. The child sends back each step's `EngineCoreOutput`s, the rejection of a
 request it cannot queue, and a stats snapshot (`EngineCore.stats`) at most every `STATS_INTERVAL` seconds
-while busy, and at once when it goes idle. Messages are pickled tuples over a `multiprocessing` Pipe.
+while busy, and at once when it goes idle. Messages are tuples over a `multiprocessing` Pipe, as msgpack
+without pickle (`serial_utils`: a message can build Tessera's data classes and tensors, nothing else).
 
 `ReplicaClient` (the parent's side) sends requests and aborts, and puts what the child sends into an
 outputs queue that the front-end's `step()` reads (one queue may serve several replicas: the data-parallel
@@ -21,7 +22,6 @@ import itertools
 import logging
 import multiprocessing
 import os
-import pickle
 import queue
 import signal
 import threading
@@ -35,7 +35,8 @@ from typing import Any, Optional
 from ...errors import EngineDeadError
 from ..core.client import report_death
 from ..core.core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest
-from .replica_process import dumps, replica_main
+from .replica_process import replica_main
+from .serial_utils import decode, encode
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class ReplicaClient:
         message: Any = None
         if self._conn in ready:
             try:
-                message = pickle.loads(self._conn.recv_bytes())
+                message = decode(self._conn.recv_bytes())
             except (EOFError, OSError):
                 message = None
         if message is None or message[0] != "ready":
@@ -199,7 +200,7 @@ class ReplicaClient:
             raise EngineDeadError(f"Engine replica {self.index} has stopped.")
 
     def _send(self, message: tuple) -> None:
-        data = dumps(message)
+        data = encode(message)
         try:
             with self._send_lock:
                 self._conn.send_bytes(data)
@@ -212,10 +213,10 @@ class ReplicaClient:
         """The reader thread: outputs, rejections, stats and replies from the replica, until the pipe ends."""
         while True:
             try:
-                message = pickle.loads(self._conn.recv_bytes())
+                message = decode(self._conn.recv_bytes())
             except (EOFError, OSError):
                 break
-            except Exception:  # a message that does not unpickle: a bug, but never a reason to hang
+            except Exception:  # a message that does not decode: a bug, but never a reason to hang
                 logger.exception("Engine replica %d sent a message that does not load", self.index)
                 continue
             try:

@@ -1,6 +1,7 @@
 """The replica process's side of `engine/executor/replica.py`: build the `EngineCore`, say "ready" with its start-up
 info, then step it while it has work, taking the parent's commands from the pipe between steps, until told
-to stop or until the parent goes away. Messages both ways are pickled tuples:
+to stop or until the parent goes away. Messages both ways are tuples, as msgpack without pickle
+(`serial_utils`):
 
 parent -> child: ("add", EngineCoreRequest), ("abort", ids, stopped), ("stats", call_id), ("shutdown",)
 child -> parent: ("ready", EngineCoreInfo, stats), ("failed", text, traceback, bad_input),
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import queue
 import threading
 import time
@@ -25,12 +25,9 @@ from ...errors import InputError
 from ...outputs import RequestMetrics
 from ..core.core_io import EngineCoreOutput, EngineCoreRequest
 from ..core.request import RequestStatus
+from .serial_utils import decode, encode
 
 STATS_INTERVAL = 0.25  # seconds: the most often a replica pushes its stats while busy
-
-
-def dumps(message: Any) -> bytes:
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def replica_main(conn: Connection, index: int, model: str, engine_options: dict[str, Any], num_threads: int) -> None:
@@ -42,7 +39,7 @@ def replica_main(conn: Connection, index: int, model: str, engine_options: dict[
     lock = threading.Lock()
 
     def send(message: tuple) -> None:
-        data = dumps(message)
+        data = encode(message)
         with lock:
             conn.send_bytes(data)
 
@@ -73,7 +70,7 @@ def _serve(conn: Connection, core: Any, send: Callable[[tuple], None]) -> None:
     def read() -> None:
         while True:
             try:
-                inbox.put(pickle.loads(conn.recv_bytes()))
+                inbox.put(decode(conn.recv_bytes()))
             except (EOFError, OSError):  # the parent went away: stop
                 inbox.put(("shutdown",))
                 return
