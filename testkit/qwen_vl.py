@@ -158,3 +158,37 @@ def mm_features(processed) -> list[MMFeature]:
         for modality in sorted(processed["mm_placeholders"], reverse=True)
         for item, placeholder in zip(processed["mm_kwargs"].get_items(modality), processed["mm_placeholders"][modality])
     ]
+
+
+QWEN3_5_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def build_tiny_qwen3_5(folder, *, seed: int = 0) -> Path:
+    """Qwen3.5: a hybrid decoder of 4 layers (Gated DeltaNet, full attention, DeltaNet, full), hidden 32;
+    attention 4 heads over 2 KV heads of 16 dims, half of each rotated (interleaved M-RoPE
+    sections [2, 1, 1]); DeltaNet 2 key heads serving 4 value heads of 8 dims, conv width 4. Qwen3-VL's
+    tower without DeepStack (depth 2, width 32) and processing. Write the checkpoint to `folder`; returns it."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    tokenizer = build_tokenizer("qwen")
+    text, ids = _text_config(tokenizer)
+    text.update(
+        num_hidden_layers=len(QWEN3_5_LAYER_TYPES), layer_types=QWEN3_5_LAYER_TYPES, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    )  # fmt: skip
+    vision = dict(
+        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+        patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        hidden_act="gelu_pytorch_tanh", num_position_embeddings=16,
+    )  # fmt: skip
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_token_ids(ids))
+    video_processor = Qwen3VLVideoProcessor(
+        patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS * 4},
+    )  # fmt: skip
+    return _save(
+        Path(folder), Qwen3_5ForConditionalGeneration, config, Qwen3VLProcessor, tokenizer, seed, video_processor
+    )

@@ -54,6 +54,10 @@ class AttentionMetadata:
     """Per sequence, the [start, end) spans that change what this step's queries see (spans with a
     token after some query of the step); empty lists (or no lists) for plain causal attention."""
 
+    state_slots: Optional[list[int]] = None
+    """Per sequence, its row in the state tensors of the model's non-attention layers (hybrid models:
+    `state_cache.py`); None for attention-only models."""
+
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
     """Masks already built this step, by (what, sequence or None, window)."""
 
@@ -65,6 +69,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         bidirectional_spans: Optional[Sequence[Sequence[tuple[int, int]]]] = None,
+        state_slots: Optional[Sequence[int]] = None,
     ) -> "AttentionMetadata":
         """`bidirectional_spans`: per sequence, [start, end) token positions (absolute, within the
         sequence) whose tokens all see each other (Gemma 3: the tokens of one image). The step's new
@@ -113,6 +118,7 @@ class AttentionMetadata:
             decode_block_tables=tables.to(device),
             decode_mask=mask.to(device),
             bidirectional_spans=spans,
+            state_slots=None if state_slots is None else list(state_slots),
         )
 
     @property

@@ -54,6 +54,10 @@ MROPE_MODEL_TYPES: dict[str, tuple[tuple[int, int, int], bool]] = {
     "qwen3_vl_text": ((24, 20, 20), True),
     "qwen3_vl_moe": ((24, 20, 20), True),
     "qwen3_vl_moe_text": ((24, 20, 20), True),
+    "qwen3_5": ((11, 11, 10), True),
+    "qwen3_5_text": ((11, 11, 10), True),
+    "qwen3_5_moe": ((11, 11, 10), True),
+    "qwen3_5_moe_text": ((11, 11, 10), True),
 }
 
 MRopeLayout = tuple[tuple[int, int, int], bool]  # (mrope_section, interleaved)
@@ -113,9 +117,11 @@ def _self_and_text_config(config: Any) -> list[Any]:
     return configs
 
 
-def mrope_axis_map(section: tuple[int, int, int], interleaved: bool) -> torch.Tensor:
-    """[sum(section)] long: the axis (0 = t, 1 = h, 2 = w) whose index rotates each frequency."""
-    n = sum(section)  # CPU explicitly: models are built under `with torch.device("meta")`
+def mrope_axis_map(section: tuple[int, int, int], interleaved: bool, num_freqs: Optional[int] = None) -> torch.Tensor:
+    """[num_freqs] (default sum(section)) long: the axis (0 = t, 1 = h, 2 = w) whose index rotates each
+    frequency. Interleaved, frequency j takes h where j % 3 == 1 and j < 3 * section[1], w where j % 3 == 2
+    and j < 3 * section[2], else t: HF's `apply_interleaved_mrope`, defined for any number of frequencies."""
+    n = sum(section) if num_freqs is None else num_freqs  # CPU explicitly: built under `with torch.device("meta")`
     if not interleaved:  # T.. H.. W..
         return torch.repeat_interleave(torch.arange(3, device="cpu"), torch.tensor(section, device="cpu"))
     j = torch.arange(n, device="cpu")
@@ -136,7 +142,7 @@ class MRotaryEmbedding(nn.Module):
         super().__init__()
         if rope.rope_type == "dynamic":  # its frequencies follow a sequence length: no meaning on 3 axes
             raise ValueError("Dynamic NTK rope scaling with M-RoPE (mrope_section) is not supported")
-        if sum(mrope_section) != rope.rotary_dim // 2:
+        if not interleaved and sum(mrope_section) != rope.rotary_dim // 2:  # interleaved: HF's map fits any width
             raise ValueError(
                 f"mrope_section {list(mrope_section)} sums to {sum(mrope_section)}, but the rotary "
                 f"embedding has rotary_dim / 2 = {rope.rotary_dim // 2} frequencies"
@@ -146,7 +152,7 @@ class MRotaryEmbedding(nn.Module):
         self.rotary_dim = rope.rotary_dim
         self.mrope_section = tuple(mrope_section)
         self.interleaved = interleaved
-        self._axis = mrope_axis_map(self.mrope_section, interleaved)  # [rotary_dim / 2]
+        self._axis = mrope_axis_map(self.mrope_section, interleaved, rope.rotary_dim // 2)  # [rotary_dim / 2]
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [3, T] or [T] -> angles [T, rotary_dim / 2] (fp32)."""

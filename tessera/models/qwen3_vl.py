@@ -196,7 +196,7 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     def __init__(self, config: Qwen3VLConfig) -> None:
         super().__init__(config)
         self.hidden_size = config.text_config.hidden_size
-        self.num_deepstack = len(config.vision_config.deepstack_visual_indexes)
+        self.num_deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or [])
         self._deepstack_embeds: Optional[torch.Tensor] = None  # from get_input_embeddings to forward
 
     def _run_vision_tower(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

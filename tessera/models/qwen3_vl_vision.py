@@ -91,7 +91,7 @@ class Qwen3VLVisionTransformer(nn.Module):
         self.rotary_pos_emb = VisionRotaryEmbedding.from_config(config)
         self.blocks = nn.ModuleList(Qwen3VLVisionBlock(config) for _ in range(config.depth))
         self.merger = Qwen3VLVisionPatchMerger(config)
-        self.deepstack_visual_indexes = list(config.deepstack_visual_indexes)
+        self.deepstack_visual_indexes = list(getattr(config, "deepstack_visual_indexes", None) or [])  # none: Qwen3.5
         self.deepstack_merger_list = nn.ModuleList(
             Qwen3VLVisionPatchMerger(config, use_postshuffle_norm=True) for _ in self.deepstack_visual_indexes
         )

@@ -33,12 +33,14 @@ _BUILTIN_MODELS = {
     "Qwen2VLForConditionalGeneration": "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "tessera.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "tessera.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration": "tessera.models.qwen3_5:Qwen3_5ForConditionalGeneration",
     "FuyuForCausalLM": "tessera.models.fuyu:FuyuForCausalLM",
     "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
     "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",
     "Qwen2ForCausalLM": "tessera.models.qwen2:Qwen2ForCausalLM",
     "MistralForCausalLM": "tessera.models.mistral:MistralForCausalLM",
     "Qwen3ForCausalLM": "tessera.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3_5ForCausalLM": "tessera.models.qwen3_5:Qwen3_5ForCausalLM",
     "Gemma3ForCausalLM": "tessera.models.gemma3:Gemma3ForCausalLM",
 }
 # Language models a multimodal model builds on, by its text_config.model_type.
@@ -51,6 +53,7 @@ _BUILTIN_TEXT_MODELS = {
     "mistral": "tessera.models.mistral:MistralForCausalLM",
     "qwen3": "tessera.models.qwen3:Qwen3ForCausalLM",
     "qwen3_vl_text": "tessera.models.qwen3_vl:Qwen3VLTextForCausalLM",  # Qwen3's, adding DeepStack features
+    "qwen3_5_text": "tessera.models.qwen3_5:Qwen3_5ForCausalLM",  # hybrid: Gated DeltaNet + gated attention
     "gemma3_text": "tessera.models.gemma3:Gemma3ForCausalLM",
 }
 

@@ -30,11 +30,16 @@ nothing was released. New tokens are written at positions >= n, in live blocks."
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, num_state_slots: int = 0
+    ) -> None:
+        """`num_state_slots`: for a hybrid model, the rows of its layers' per-sequence state (`layers/state_cache.py`):
+        a request holds one from its first allocation until it is freed (finished, aborted or preempted)."""
         if num_blocks < 1:
             raise ValueError(f"The KV cache needs at least one block, got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.num_state_slots = num_state_slots
         self.reset()
 
     def reset(self) -> None:
@@ -48,6 +53,8 @@ class BlockManager:
         self.req_hashes: dict[str, list[bytes]] = {}  # hashes of each request's full blocks
         self.req_released: dict[str, int] = {}  # leading blocks of each request already released
         self.prefix_queries = self.prefix_hits = 0  # in tokens
+        self.free_state_slots = list(range(self.num_state_slots))
+        self.req_state_slots: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -56,6 +63,10 @@ class BlockManager:
     def blocks_of(self, request: Request) -> list[int]:
         """The request's block table: `PLACEHOLDER` for each released block, then its live blocks."""
         return self.req_blocks.get(request.request_id, [])
+
+    def state_slot_of(self, request: Request) -> int:
+        """The request's row in the state of a hybrid model's non-attention layers."""
+        return self.req_state_slots[request.request_id]
 
     def live_blocks_of(self, request: Request) -> list[int]:
         """The blocks the request holds (its table without the released ones)."""
@@ -104,6 +115,10 @@ class BlockManager:
         needed = -(-num_tokens // self.block_size) - len(blocks) - len(cached_prefix)
         if needed > self.num_free_blocks - len(reusable):
             return False
+        if self.num_state_slots and request.request_id not in self.req_state_slots:
+            if not self.free_state_slots:
+                return False
+            self.req_state_slots[request.request_id] = self.free_state_slots.pop()
         for block in cached_prefix:
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
@@ -162,6 +177,9 @@ class BlockManager:
         for block in reversed(blocks[released:]):
             self._deref(block)
         self.req_hashes.pop(request.request_id, None)
+        slot = self.req_state_slots.pop(request.request_id, None)
+        if slot is not None:
+            self.free_state_slots.append(slot)
 
     @property
     def prefix_hit_rate(self) -> float:

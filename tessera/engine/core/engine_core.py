@@ -26,6 +26,7 @@ from ...config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from ...distributed import get_tp_group, tensor_parallel_group
 from ...errors import WorkerDiedError
 from ...layers.kv_cache import kv_cache_bytes_per_block, kv_window
+from ...layers.state_cache import state_bytes_per_slot
 from ...models.factory import build_model
 from ...multimodal.profiling import MultiModalProfiler
 from ...sampling_params import SamplingParams
@@ -97,17 +98,34 @@ class EngineCore:
         )
         self.encoder_cache = EncoderCache(cache_config.encoder_cache_size or self.encoder_budget)
 
+        # A hybrid model's non-attention layers keep a state per running sequence: one slot per sequence the
+        # scheduler may run, taken from the KV budget first.
+        slot_bytes = state_bytes_per_slot(self.model, model_config.dtype)
+        self.num_state_slots = scheduler_config.max_num_seqs if slot_bytes else 0
+        state_memory = self.num_state_slots * slot_bytes
         block_bytes = kv_cache_bytes_per_block(self.model, cache_config.block_size, model_config.dtype)
-        self.num_blocks = num_blocks = cache_config.kv_cache_memory // block_bytes
+        self.num_blocks = num_blocks = (cache_config.kv_cache_memory - state_memory) // block_bytes
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {cache_config.kv_cache_memory} B holds no block of {block_bytes} B")
+            raise ValueError(
+                f"kv_cache_memory {cache_config.kv_cache_memory} B holds no block of {block_bytes} B"
+                + (f" after the state of {self.num_state_slots} sequences ({state_memory} B; fewer with a lower "
+                   "max_num_seqs)" if state_memory else "")
+            )  # fmt: skip
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
             num_blocks, cache_config.block_size, num_blocks * cache_config.block_size, num_blocks * block_bytes / 2**20,
         )  # fmt: skip
+        enable_prefix_caching = cache_config.enable_prefix_caching
+        if state_memory:
+            logger.info(
+                "Recurrent state: %d slots of %.2f MiB (%.1f MiB); prefix caching off (a cached prefix would need "
+                "the state after it)", self.num_state_slots, slot_bytes / 2**20, state_memory / 2**20,
+            )  # fmt: skip
+            enable_prefix_caching = False
         self.block_manager = BlockManager(
-            num_blocks, cache_config.block_size, enable_prefix_caching=cache_config.enable_prefix_caching
-        )
+            num_blocks, cache_config.block_size, enable_prefix_caching=enable_prefix_caching,
+            num_state_slots=self.num_state_slots,
+        )  # fmt: skip
         if getattr(self.model, "is_mm_prefix_lm", False):  # a chunk ending inside an image lacks its later tokens
             scheduler_config = dataclasses.replace(scheduler_config, disable_chunked_mm_input=True)  # not the caller's
             self.scheduler_config = scheduler_config
@@ -123,6 +141,7 @@ class EngineCore:
             dtype=model_config.dtype,
             device=model_config.device,
             workers=self.workers,
+            num_state_slots=self.num_state_slots,
         )
         self.structured_output = StructuredOutputManager(self.tokenizer, text_config.vocab_size, self.eos_token_ids)
         limits = EngineLimits(
@@ -246,8 +265,8 @@ class EngineCore:
 
     def stats(self) -> dict[str, int]:
         """The scheduler's and caches' counters, plain numbers (summable over replicas): sequences running /
-        waiting, KV blocks used / total, prefix-cache queries / hits (tokens), encoder-cache and
-        processor-cache queries / hits (items), preemptions."""
+        waiting, KV blocks used / total, recurrent-state slots used / total (hybrid models), prefix-cache queries /
+        hits (tokens), encoder-cache and processor-cache queries / hits (items), preemptions."""
         blocks, scheduler, encoder = self.block_manager, self.scheduler, self.encoder_cache
         processor_cache = getattr(self.processor, "cache", None)
         processor = processor_cache.stats if processor_cache is not None else None
@@ -256,6 +275,8 @@ class EngineCore:
             "waiting": len(scheduler.waiting),
             "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
             "kv_blocks_total": blocks.num_blocks,
+            "state_slots_used": blocks.num_state_slots - len(blocks.free_state_slots),
+            "state_slots_total": blocks.num_state_slots,
             "prefix_cache_queries": blocks.prefix_queries,
             "prefix_cache_hits": blocks.prefix_hits,
             "encoder_cache_queries": encoder.queries,

@@ -45,6 +45,9 @@ class ModelInputs:
     bidirectional_spans: Optional[list[list[tuple[int, int]]]] = None
     """Per sequence, spans that attend both ways (prefix-LM models)."""
 
+    state_slots: Optional[list[int]] = None
+    """Per sequence, its slot in the non-attention layers' state (hybrid models)."""
+
 
 @torch.inference_mode()
 def run_model(model: torch.nn.Module, inputs: ModelInputs, block_size: int, device: str) -> Optional[torch.Tensor]:
@@ -52,7 +55,7 @@ def run_model(model: torch.nn.Module, inputs: ModelInputs, block_size: int, devi
     [len(sample_rows), vocab] (None when no row is sampled)."""
     metadata = AttentionMetadata.build(
         inputs.query_lens, inputs.context_lens, inputs.block_tables, block_size, device,
-        bidirectional_spans=inputs.bidirectional_spans,
+        bidirectional_spans=inputs.bidirectional_spans, state_slots=inputs.state_slots,
     )  # fmt: skip
     input_ids = inputs.input_ids.to(device)
     if supports_multimodal(model):

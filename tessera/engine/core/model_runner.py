@@ -19,6 +19,7 @@ from ...layers.cpu_kernels import describe_cpu_kernels
 from ...layers.kv_cache import allocate_kv_cache
 from ...layers.linear import pack_linears_for_cpu
 from ...layers.sampler import SamplerOutput, sample
+from ...layers.state_cache import allocate_state_cache
 from ...models.interfaces import supports_mrope, supports_multimodal
 from ...models.mrope_positions import decode_positions
 from ...multimodal.inputs import MultiModalKwargs
@@ -51,9 +52,12 @@ class ModelRunner:
         dtype: torch.dtype,
         device: str,
         workers: Optional[TensorParallelRanks] = None,
+        num_state_slots: int = 0,
     ) -> None:
-        """`workers`: the other tensor-parallel ranks (this runner is rank 0), None with one rank."""
+        """`workers`: the other tensor-parallel ranks (this runner is rank 0), None with one rank;
+        `num_state_slots`: sequences whose state a hybrid model's non-attention layers keep."""
         self.model, self.block_size, self.device, self.workers = model, block_size, device, workers
+        self.num_state_slots = num_state_slots
         self.uses_mrope = supports_mrope(model)
         # M-RoPE models: each request's prompt positions [3, P] and decode delta, computed on its first
         # step and kept (through preemption and recomputation) until the scheduler says it ended
@@ -62,6 +66,8 @@ class ModelRunner:
         if workers is not None:  # the workers allocate the same cache over their heads
             workers.start_model(num_blocks, block_size, dtype)
         prepare_model_for_steps(model, num_blocks, block_size, dtype, device)
+        if num_state_slots:
+            allocate_state_cache(model, num_state_slots, dtype, device)
 
     @torch.inference_mode()
     def execute(
@@ -112,6 +118,7 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sampling.append(request)
         multimodal = supports_multimodal(self.model)
+        slots = [block_manager.state_slot_of(s.request) for s in out.scheduled] if self.num_state_slots else None
         inputs = ModelInputs(
             input_ids=torch.tensor(ids),
             positions=torch.cat(positions, dim=-1),
@@ -122,6 +129,7 @@ class ModelRunner:
             is_multimodal=torch.cat(is_multimodal) if multimodal else None,
             mm_rows=rows if multimodal else None,
             bidirectional_spans=[_item_spans(s.request) for s in out.scheduled] if self.is_mm_prefix_lm else None,
+            state_slots=slots,
         )
         return inputs, sampling
 
