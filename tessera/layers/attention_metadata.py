@@ -58,6 +58,9 @@ class AttentionMetadata:
     """Per sequence, its row in the state tensors of the model's non-attention layers (hybrid models:
     `state_cache.py`); None for attention-only models."""
 
+    state_snapshots: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Sequence -> (offset, row): its state after its first `offset` new tokens is also written to `row`."""
+
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
     """Masks already built this step, by (what, sequence or None, window)."""
 
@@ -70,6 +73,7 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         bidirectional_spans: Optional[Sequence[Sequence[tuple[int, int]]]] = None,
         state_slots: Optional[Sequence[int]] = None,
+        state_snapshots: Sequence[tuple[int, int, int]] = (),
     ) -> "AttentionMetadata":
         """`bidirectional_spans`: per sequence, [start, end) token positions (absolute, within the
         sequence) whose tokens all see each other (Gemma 3: the tokens of one image). The step's new
@@ -119,6 +123,7 @@ class AttentionMetadata:
             decode_mask=mask.to(device),
             bidirectional_spans=spans,
             state_slots=None if state_slots is None else list(state_slots),
+            state_snapshots={seq: (offset, row) for seq, offset, row in state_snapshots},
         )
 
     @property

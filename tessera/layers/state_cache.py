@@ -65,3 +65,13 @@ def allocate_state_cache(model: nn.Module, num_slots: int, dtype: torch.dtype, d
     for layer in stateful_layers(model):
         for name, (shape, state_dtype) in layer.state_specs().items():
             setattr(layer, name, torch.zeros((num_slots, *shape), dtype=state_dtype or dtype, device=device))
+
+
+def copy_state_rows(model: nn.Module, pairs: list[tuple[int, int]]) -> None:
+    """For each (source, destination) row pair, every stateful layer's states copied from one row to the other."""
+    if not pairs:
+        return
+    for layer in stateful_layers(model):
+        for state in layer.states():
+            source = torch.tensor([src for src, _ in pairs], device=state.device)
+            state.index_copy_(0, torch.tensor([dst for _, dst in pairs], device=state.device), state[source])

@@ -128,7 +128,8 @@ class Qwen3_5GatedDeltaNet(StatefulLayer):
         num_tokens, dtype = hidden_states.shape[0], hidden_states.dtype
         mixed, z, b, a = self.in_proj.split(self.in_proj(hidden_states))
         weight = self.conv1d.weight[:, 0]  # [conv_dim, K]
-        mixed = F.silu(causal_conv1d(mixed, weight, None, self.conv_state, slots, metadata.query_lens))
+        conv = causal_conv1d(mixed, weight, None, self.conv_state, slots, metadata.query_lens, metadata.state_snapshots)
+        mixed = F.silu(conv)
         key_width = self.num_k_heads * self.key_dim
         q, k, v = mixed.split([key_width, key_width, self.num_v_heads * self.value_dim], dim=-1)
         repeat = self.num_v_heads // self.num_k_heads  # value head j reads key head j // repeat
@@ -138,32 +139,43 @@ class Qwen3_5GatedDeltaNet(StatefulLayer):
         v = v.float().view(num_tokens, self.num_v_heads, self.value_dim)
         beta = b.float().sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv], log decay
-        out = self._delta_rule(q, k, v, g, beta, slots, metadata.query_lens)  # [T, Hv, dv] fp32
+        out = self._delta_rule(q, k, v, g, beta, slots, metadata)  # [T, Hv, dv] fp32
         z = z.view(num_tokens, self.num_v_heads, self.value_dim)
         out = self.norm(out.to(dtype), z).reshape(num_tokens, -1)
         return self.out_proj(out)
 
-    def _delta_rule(self, q, k, v, g, beta, slots: list[int], query_lens: list[int]) -> torch.Tensor:  # noqa: ANN001
-        """Decode tokens batched through the recurrence; each prompt chunk in the chunked form."""
+    def _delta_rule(self, q, k, v, g, beta, slots: list[int], metadata: Any) -> torch.Tensor:  # noqa: ANN001
+        """Decode tokens batched through the recurrence; each prompt chunk in the chunked form, split where the
+        step keeps a snapshot of the state (metadata.state_snapshots)."""
         out = torch.empty_like(v)
         starts = [0]
-        for n in query_lens:
+        for n in metadata.query_lens:
             starts.append(starts[-1] + n)
-        state = self.recurrent_state
-        decode = [i for i, n in enumerate(query_lens) if n == 1]
+        state, snapshots = self.recurrent_state, metadata.state_snapshots
+        decode = [i for i, n in enumerate(metadata.query_lens) if n == 1]
         if decode:
             rows = torch.tensor([starts[i] for i in decode], device=v.device)
             index = torch.tensor([slots[i] for i in decode], device=v.device)
             out[rows], state[index] = recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state[index])
-        for i, n in enumerate(query_lens):
+            for i in decode:
+                if i in snapshots:
+                    state[snapshots[i][1]] = state[slots[i]]
+        for i, n in enumerate(metadata.query_lens):
             if n == 1:
                 continue
-            rows = slice(starts[i], starts[i + 1])
-            seq_out, state[slots[i]] = chunked(
-                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
-                g[rows].t(), beta[rows].t(), state[slots[i]],
-            )  # fmt: skip
-            out[rows] = seq_out.transpose(0, 1)
+            offset, row = snapshots.get(i, (n, None))
+            seq_state = state[slots[i]]
+            for lo, hi in ((0, offset), (offset, n)):  # the state after the first `offset` tokens is kept
+                if hi > lo:
+                    rows = slice(starts[i] + lo, starts[i] + hi)
+                    seq_out, seq_state = chunked(
+                        q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+                        g[rows].t(), beta[rows].t(), seq_state,
+                    )  # fmt: skip
+                    out[rows] = seq_out.transpose(0, 1)
+                if hi == offset and row is not None:
+                    state[row] = seq_state
+            state[slots[i]] = seq_state
         return out
 
 

@@ -41,6 +41,7 @@ _BUILTIN_MODELS = {
     "MistralForCausalLM": "tessera.models.mistral:MistralForCausalLM",
     "Qwen3ForCausalLM": "tessera.models.qwen3:Qwen3ForCausalLM",
     "Qwen3_5ForCausalLM": "tessera.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Lfm2ForCausalLM": "tessera.models.lfm2:Lfm2ForCausalLM",
     "Gemma3ForCausalLM": "tessera.models.gemma3:Gemma3ForCausalLM",
 }
 # Language models a multimodal model builds on, by its text_config.model_type.
@@ -54,6 +55,7 @@ _BUILTIN_TEXT_MODELS = {
     "qwen3": "tessera.models.qwen3:Qwen3ForCausalLM",
     "qwen3_vl_text": "tessera.models.qwen3_vl:Qwen3VLTextForCausalLM",  # Qwen3's, adding DeepStack features
     "qwen3_5_text": "tessera.models.qwen3_5:Qwen3_5ForCausalLM",  # hybrid: Gated DeltaNet + gated attention
+    "lfm2": "tessera.models.lfm2:Lfm2ForCausalLM",  # hybrid: short convolutions + attention
     "gemma3_text": "tessera.models.gemma3:Gemma3ForCausalLM",
 }
 

@@ -141,9 +141,10 @@ def test_greedy_tokens_match_hf_alone_and_batched(qwen3_5, clip, options):
         # prompt continues its DeltaNet states from the previous one
         "chunked-prefill": {"max_num_batched_tokens": 5},
         # 2 full-attention layers x K and V x 2 heads x 16 dims x 4 bytes = 512 bytes a token; besides the
-        # DeltaNet states of 64 sequences, 30 blocks of 4: the mixed prompt (94 tokens, 24 blocks) and the text
+        # DeltaNet states of 4 sequences, 30 blocks of 4: the mixed prompt (94 tokens, 24 blocks) and the text
         # one (24 tokens, 6 blocks) start together, and the mixed one needs a 25th block two tokens later
-        "preemption": {"kv_cache_memory": 30 * 4 * 512 + 64 * slot_bytes(folder)},
+        "preemption": {"kv_cache_memory": 30 * 4 * 512 + 4 * slot_bytes(folder), "max_num_seqs": 4,
+                       "enable_prefix_caching": False},
     }[options]
     llm = LLM(str(folder), device="cpu", block_size=4, **{"kv_cache_memory": "4MiB", **kwargs})
     assert [tokens(llm, [r])[0] for r in requests(clip)] == expected
@@ -152,7 +153,8 @@ def test_greedy_tokens_match_hf_alone_and_batched(qwen3_5, clip, options):
     if options == "preemption":
         assert llm.engine.core.scheduler.num_preemptions > 0
     stats = llm.engine.core.stats()
-    assert stats["state_slots_total"] == 64 and stats["state_slots_used"] == 0  # every sequence's slot returned
+    assert stats["state_slots_total"] == (4 if options == "preemption" else 64)
+    assert stats["state_slots_used"] == 0  # every sequence's slot returned
 
 
 def slot_bytes(folder) -> int:
@@ -164,16 +166,40 @@ def tokens(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def test_the_state_comes_from_the_kv_budget_and_prefix_caching_is_off(qwen3_5):
+def test_the_states_come_from_the_kv_budget(qwen3_5):
+    """At most half of kv_cache_memory, a third of that for prefix snapshots; the blocks get the rest."""
     folder, _, _, _ = qwen3_5
-    budget = 4 * 2**20
+    budget, row = 4 * 2**20, slot_bytes(folder)
     llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory=budget, max_num_seqs=8)
     core = llm.engine.core
-    assert core.num_state_slots == 8 and core.block_manager.num_state_slots == 8
-    assert core.num_blocks == (budget - 8 * slot_bytes(folder)) // (4 * 512)
-    assert not core.block_manager.enable_prefix_caching
-    with pytest.raises(ValueError, match="after the state of 8 sequences"):
-        LLM(str(folder), device="cpu", block_size=4, kv_cache_memory=8 * slot_bytes(folder), max_num_seqs=8)
+    states = core.block_manager.states
+    assert (states.num_slots, states.num_snapshots, core.num_state_rows) == (8, 8, 16)
+    assert core.num_blocks == (budget - 16 * row) // (4 * 512)
+    with pytest.raises(ValueError, match="too small for the model's recurrent state"):
+        LLM(str(folder), device="cpu", block_size=4, kv_cache_memory=2 * row)
+
+
+def test_a_chat_about_one_image_hits_the_prefix_cache_on_every_turn(qwen3_5):
+    """Three turns, each prompt the last one + its answer + a question: from the second turn on, the prompt
+    continues from the snapshot of the previous prompt's state (the prefix-cache counters say so) and the
+    answer is HF's for the whole prompt."""
+    folder, hf_processor, _, _ = qwen3_5
+    hf_model = HFQwen3_5.from_pretrained(folder, attn_implementation="eager").eval()
+    tokenizer = hf_processor.tokenizer
+    image = random_images([(50, 100)], seed=1)
+    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory="4MiB")
+    blocks = llm.engine.core.block_manager
+    prompt, hits = ONE_IMAGE, []
+    for question in ("And the square?", "Which is larger?", "Thanks."):
+        inputs = hf_processor(text=prompt, images=image, return_tensors="pt")
+        with torch.no_grad():
+            out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+        expected = out[0, inputs["input_ids"].shape[1] :].tolist()
+        (got,) = tokens(llm, [{"prompt": prompt, "multi_modal_data": {"image": image}}])
+        assert got == expected
+        hits.append(blocks.prefix_hits)
+        prompt += tokenizer.decode(got) + f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    assert hits[0] == 0 < hits[1] < hits[2]  # turn 2 and turn 3 each reused the turn before
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import numpy as np
 from blake3 import blake3
 
 from .request import Request
+from .state_slots import StateSlots
 
 PLACEHOLDER = 0
 """Block id standing for a released block in a block table: a valid index (block tables become
@@ -31,15 +32,17 @@ nothing was released. New tokens are written at positions >= n, in live blocks."
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, num_state_slots: int = 0
-    ) -> None:
-        """`num_state_slots`: for a hybrid model, the rows of its layers' per-sequence state (`layers/state_cache.py`):
-        a request holds one from its first allocation until it is freed (finished, aborted or preempted)."""
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+        states: Optional[StateSlots] = None,
+    ) -> None:  # fmt: skip
+        """`states`: for a hybrid model, the rows of its layers' state (`state_slots.py`): a request holds one
+        from its first allocation until it is freed (finished, aborted or preempted), and a cached prefix is
+        used up to its last snapshot."""
         if num_blocks < 1:
             raise ValueError(f"The KV cache needs at least one block, got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.num_state_slots = num_state_slots
+        self.states = states
         self.reset()
 
     def reset(self) -> None:
@@ -53,8 +56,10 @@ class BlockManager:
         self.req_hashes: dict[str, list[bytes]] = {}  # hashes of each request's full blocks
         self.req_released: dict[str, int] = {}  # leading blocks of each request already released
         self.prefix_queries = self.prefix_hits = 0  # in tokens
-        self.free_state_slots = list(range(self.num_state_slots))
-        self.req_state_slots: dict[str, int] = {}
+        self.req_restores: dict[str, int] = {}  # request id -> the snapshot row its cached prefix ends at
+        self.req_output_snapshots: dict[str, bytes] = {}  # request id -> the block of its latest output snapshot
+        if self.states is not None:
+            self.states.reset()
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,7 +71,7 @@ class BlockManager:
 
     def state_slot_of(self, request: Request) -> int:
         """The request's row in the state of a hybrid model's non-attention layers."""
-        return self.req_state_slots[request.request_id]
+        return self.states.slot_of(request.request_id)
 
     def live_blocks_of(self, request: Request) -> list[int]:
         """The blocks the request holds (its table without the released ones)."""
@@ -95,11 +100,18 @@ class BlockManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []
-        for block_hash in self.block_hashes_of(request)[:max_blocks]:
+        hashes = self.block_hashes_of(request)
+        for block_hash in hashes[:max_blocks]:
             block = self.cached_blocks.get(block_hash)
             if block is None:
                 break
             blocks.append(block)
+        if self.states is not None:  # a hybrid model: only as far as a snapshot of its state reaches
+            usable, row = self.states.usable_prefix(hashes, len(blocks))
+            blocks = blocks[:usable]
+            self.req_restores.pop(request.request_id, None)
+            if row is not None:
+                self.req_restores[request.request_id] = row
         self.prefix_queries += request.num_tokens
         self.prefix_hits += len(blocks) * self.block_size
         return blocks
@@ -115,10 +127,8 @@ class BlockManager:
         needed = -(-num_tokens // self.block_size) - len(blocks) - len(cached_prefix)
         if needed > self.num_free_blocks - len(reusable):
             return False
-        if self.num_state_slots and request.request_id not in self.req_state_slots:
-            if not self.free_state_slots:
-                return False
-            self.req_state_slots[request.request_id] = self.free_state_slots.pop()
+        if self.states is not None and not self.states.take(request.request_id):
+            return False
         for block in cached_prefix:
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
@@ -126,6 +136,40 @@ class BlockManager:
         new_blocks = [self._take_free_block() for _ in range(max(needed, 0))]
         self.req_blocks[request.request_id] = blocks + list(cached_prefix) + new_blocks
         return True
+
+    def take_state_restore(self, request: Request) -> Optional[int]:
+        """The snapshot row that the request's cached prefix (just allocated) ends at, once; None if none."""
+        return self.req_restores.pop(request.request_id, None)
+
+    def snapshot_boundary(self, request: Request, start: int, num_new: int) -> Optional[int]:
+        """Hybrid models with prefix caching: a block boundary within tokens start + 1 .. start + num_new where the
+        request's state is to be kept as a snapshot, None if none: the last boundary before the prompt's last
+        token (a later prompt reusing it has a token left to compute), and in the output every block's end (the
+        next turn of a chat starts with this one's answer), unless a snapshot of that block exists."""
+        if self.states is None or not self.states.num_snapshots or not self.enable_prefix_caching:
+            return None
+        size, end = self.block_size, start + num_new
+        prompt_end = (request.num_prompt_tokens - 1) // size * size
+        if start < prompt_end <= end:
+            boundary = prompt_end
+        elif end > request.num_prompt_tokens and end // size * size > start:
+            boundary = end // size * size
+        else:
+            return None
+        if boundary == 0 or boundary > len(request.all_token_ids):
+            return None
+        return None if self.states.has_snapshot(self.block_hashes_of(request)[boundary // size - 1]) else boundary
+
+    def publish_snapshot(self, request: Request, end: int, row: int) -> None:
+        """The state after the request's first `end` tokens (a block boundary) is in snapshot row `row`. Of the
+        snapshots in a request's output only the last is kept: a later prompt can start from it."""
+        block_hash = self.block_hashes_of(request)[end // self.block_size - 1]
+        self.states.publish(block_hash, row)
+        if end > request.num_prompt_tokens:
+            previous = self.req_output_snapshots.get(request.request_id)
+            if previous is not None and previous != block_hash:
+                self.states.drop(previous)
+            self.req_output_snapshots[request.request_id] = block_hash
 
     def _take_free_block(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
@@ -177,9 +221,10 @@ class BlockManager:
         for block in reversed(blocks[released:]):
             self._deref(block)
         self.req_hashes.pop(request.request_id, None)
-        slot = self.req_state_slots.pop(request.request_id, None)
-        if slot is not None:
-            self.free_state_slots.append(slot)
+        if self.states is not None:
+            self.states.release(request.request_id)
+        self.req_restores.pop(request.request_id, None)
+        self.req_output_snapshots.pop(request.request_id, None)  # its last one stays, for the next turn
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -37,6 +37,7 @@ from .encoder_cache import EncoderCache
 from .model_runner import EncoderInputError, ModelRunner, TensorParallelRanks
 from .request import Request, RequestStatus, processed_items
 from .scheduler import Scheduler, SchedulerOutput
+from .state_slots import StateSlots, plan_state_rows
 from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -98,34 +99,35 @@ class EngineCore:
         )
         self.encoder_cache = EncoderCache(cache_config.encoder_cache_size or self.encoder_budget)
 
-        # A hybrid model's non-attention layers keep a state per running sequence: one slot per sequence the
-        # scheduler may run, taken from the KV budget first.
-        slot_bytes = state_bytes_per_slot(self.model, model_config.dtype)
-        self.num_state_slots = scheduler_config.max_num_seqs if slot_bytes else 0
-        state_memory = self.num_state_slots * slot_bytes
+        # A hybrid model's non-attention layers keep a state per running sequence (and snapshots of it for
+        # prefix caching), taken from the KV budget first.
+        row_bytes = state_bytes_per_slot(self.model, model_config.dtype)
+        num_slots, num_snapshots = 0, 0
+        if row_bytes:
+            num_slots, num_snapshots = plan_state_rows(
+                cache_config.kv_cache_memory, row_bytes, scheduler_config.max_num_seqs,
+                cache_config.enable_prefix_caching,
+            )  # fmt: skip
+        self.num_state_rows = num_slots + num_snapshots
+        state_memory = self.num_state_rows * row_bytes
         block_bytes = kv_cache_bytes_per_block(self.model, cache_config.block_size, model_config.dtype)
         self.num_blocks = num_blocks = (cache_config.kv_cache_memory - state_memory) // block_bytes
         if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory {cache_config.kv_cache_memory} B holds no block of {block_bytes} B"
-                + (f" after the state of {self.num_state_slots} sequences ({state_memory} B; fewer with a lower "
-                   "max_num_seqs)" if state_memory else "")
-            )  # fmt: skip
+            raise ValueError(f"kv_cache_memory {cache_config.kv_cache_memory} B holds no block of {block_bytes} B")
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB)",
             num_blocks, cache_config.block_size, num_blocks * cache_config.block_size, num_blocks * block_bytes / 2**20,
         )  # fmt: skip
-        enable_prefix_caching = cache_config.enable_prefix_caching
-        if state_memory:
+        states = None
+        if row_bytes:
             logger.info(
-                "Recurrent state: %d slots of %.2f MiB (%.1f MiB); prefix caching off (a cached prefix would need "
-                "the state after it)", self.num_state_slots, slot_bytes / 2**20, state_memory / 2**20,
+                "Recurrent state: %d sequences and %d prefix snapshots of %.2f MiB (%.1f MiB)",
+                num_slots, num_snapshots, row_bytes / 2**20, state_memory / 2**20,
             )  # fmt: skip
-            enable_prefix_caching = False
+            states = StateSlots(num_slots, num_snapshots)
         self.block_manager = BlockManager(
-            num_blocks, cache_config.block_size, enable_prefix_caching=enable_prefix_caching,
-            num_state_slots=self.num_state_slots,
-        )  # fmt: skip
+            num_blocks, cache_config.block_size, enable_prefix_caching=cache_config.enable_prefix_caching, states=states
+        )
         if getattr(self.model, "is_mm_prefix_lm", False):  # a chunk ending inside an image lacks its later tokens
             scheduler_config = dataclasses.replace(scheduler_config, disable_chunked_mm_input=True)  # not the caller's
             self.scheduler_config = scheduler_config
@@ -141,7 +143,7 @@ class EngineCore:
             dtype=model_config.dtype,
             device=model_config.device,
             workers=self.workers,
-            num_state_slots=self.num_state_slots,
+            num_state_rows=self.num_state_rows,
         )
         self.structured_output = StructuredOutputManager(self.tokenizer, text_config.vocab_size, self.eos_token_ids)
         limits = EngineLimits(
@@ -275,8 +277,8 @@ class EngineCore:
             "waiting": len(scheduler.waiting),
             "kv_blocks_used": blocks.num_blocks - blocks.num_free_blocks,
             "kv_blocks_total": blocks.num_blocks,
-            "state_slots_used": blocks.num_state_slots - len(blocks.free_state_slots),
-            "state_slots_total": blocks.num_state_slots,
+            "state_slots_used": blocks.states.num_used if blocks.states else 0,
+            "state_slots_total": blocks.states.num_slots if blocks.states else 0,
             "prefix_cache_queries": blocks.prefix_queries,
             "prefix_cache_hits": blocks.prefix_hits,
             "encoder_cache_queries": encoder.queries,

@@ -8,12 +8,13 @@ block manager nor the vision encoder. Rank 0 sends them to the workers; every ra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from ...layers.attention import AttentionMetadata, attention_metadata
+from ...layers.state_cache import copy_state_rows
 from ...models.interfaces import supports_multimodal
 
 
@@ -48,6 +49,13 @@ class ModelInputs:
     state_slots: Optional[list[int]] = None
     """Per sequence, its slot in the non-attention layers' state (hybrid models)."""
 
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    """(snapshot row, slot): states copied before the step (a prefix-cache hit continues from its snapshot)."""
+
+    state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
+    """(sequence, offset, snapshot row): the stateful layers write the sequence's state after its first `offset`
+    new tokens (a block boundary) to the row, for later prefix-cache hits."""
+
 
 @torch.inference_mode()
 def run_model(model: torch.nn.Module, inputs: ModelInputs, block_size: int, device: str) -> Optional[torch.Tensor]:
@@ -56,6 +64,7 @@ def run_model(model: torch.nn.Module, inputs: ModelInputs, block_size: int, devi
     metadata = AttentionMetadata.build(
         inputs.query_lens, inputs.context_lens, inputs.block_tables, block_size, device,
         bidirectional_spans=inputs.bidirectional_spans, state_slots=inputs.state_slots,
+        state_snapshots=inputs.state_snapshots,
     )  # fmt: skip
     input_ids = inputs.input_ids.to(device)
     if supports_multimodal(model):
@@ -63,6 +72,7 @@ def run_model(model: torch.nn.Module, inputs: ModelInputs, block_size: int, devi
         inputs_embeds = model.get_input_embeddings(input_ids, inputs.mm_rows or None, is_multimodal=mask)
     else:
         inputs_embeds = model.get_input_embeddings(input_ids)
+    copy_state_rows(model, inputs.state_restores)
     with attention_metadata(metadata):
         hidden = model(None, inputs.positions.to(device), inputs_embeds=inputs_embeds)
     if not inputs.sample_rows:

@@ -52,12 +52,12 @@ class ModelRunner:
         dtype: torch.dtype,
         device: str,
         workers: Optional[TensorParallelRanks] = None,
-        num_state_slots: int = 0,
+        num_state_rows: int = 0,
     ) -> None:
         """`workers`: the other tensor-parallel ranks (this runner is rank 0), None with one rank;
-        `num_state_slots`: sequences whose state a hybrid model's non-attention layers keep."""
+        `num_state_rows`: rows of a hybrid model's non-attention state (running sequences and snapshots)."""
         self.model, self.block_size, self.device, self.workers = model, block_size, device, workers
-        self.num_state_slots = num_state_slots
+        self.num_state_rows = num_state_rows
         self.uses_mrope = supports_mrope(model)
         # M-RoPE models: each request's prompt positions [3, P] and decode delta, computed on its first
         # step and kept (through preemption and recomputation) until the scheduler says it ended
@@ -66,8 +66,8 @@ class ModelRunner:
         if workers is not None:  # the workers allocate the same cache over their heads
             workers.start_model(num_blocks, block_size, dtype)
         prepare_model_for_steps(model, num_blocks, block_size, dtype, device)
-        if num_state_slots:
-            allocate_state_cache(model, num_state_slots, dtype, device)
+        if num_state_rows:
+            allocate_state_cache(model, num_state_rows, dtype, device)
 
     @torch.inference_mode()
     def execute(
@@ -118,7 +118,7 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
                 sampling.append(request)
         multimodal = supports_multimodal(self.model)
-        slots = [block_manager.state_slot_of(s.request) for s in out.scheduled] if self.num_state_slots else None
+        slots = [block_manager.state_slot_of(s.request) for s in out.scheduled] if self.num_state_rows else None
         inputs = ModelInputs(
             input_ids=torch.tensor(ids),
             positions=torch.cat(positions, dim=-1),
@@ -130,7 +130,10 @@ class ModelRunner:
             mm_rows=rows if multimodal else None,
             bidirectional_spans=[_item_spans(s.request) for s in out.scheduled] if self.is_mm_prefix_lm else None,
             state_slots=slots,
-        )
+            state_restores=out.state_restores,
+            state_snapshots=[(i, s.snapshot_end - s.request.num_computed_tokens, s.snapshot_row)
+                             for i, s in enumerate(out.scheduled) if s.snapshot_row is not None],
+        )  # fmt: skip
         return inputs, sampling
 
     def _positions(self, request: Request, start: int, end: int) -> torch.Tensor:

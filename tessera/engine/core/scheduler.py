@@ -41,6 +41,12 @@ class ScheduledRequest:
     cached: list[MultiModalItem] = field(default_factory=list)
     """Items this request needs that the encoder cache holds."""
 
+    snapshot_end: Optional[int] = None
+    """Hybrid models: a block boundary within the step's tokens where the request's state is to be kept."""
+
+    snapshot_row: Optional[int] = None
+    """The snapshot row the stateful layers write that state to (set when the step is committed)."""
+
 
 @dataclass
 class SchedulerOutput:
@@ -50,6 +56,9 @@ class SchedulerOutput:
 
     finished_ids: set[str] = field(default_factory=set)
     """Requests that ended since the last step: the runner drops what it keeps for them."""
+
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    """Hybrid models: (snapshot row, slot) of the requests admitted on a prefix-cache hit, copied before the step."""
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +101,7 @@ class Scheduler:
         self._rows.clear()
         encoding: dict[str, set[str]] = {}  # item hash -> requests needing it, encoded this step
         scheduled: list[ScheduledRequest] = []
+        restores: list[tuple[int, int]] = []
         preempted = False
 
         i = 0
@@ -122,6 +132,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = start
+            restore = self.block_manager.take_state_restore(request)
+            if restore is not None:  # its state continues from the snapshot at the end of the cached prefix
+                restores.append((restore, self.block_manager.state_slot_of(request)))
             if self.kv_window is not None:  # cached blocks before the first key this step sees
                 self.block_manager.release_before(request, start - self.kv_window + 1)
             request.status = RequestStatus.RUNNING
@@ -132,7 +145,7 @@ class Scheduler:
         for step in scheduled:
             step.request.metrics.first_scheduled_time = step.request.metrics.first_scheduled_time or now
         finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(scheduled, encoding, finished)
+        return SchedulerOutput(scheduled, encoding, finished, restores)
 
     def _plan(
         self, request: Request, start: int, num_new: int, encoding: dict[str, set[str]]
@@ -159,6 +172,7 @@ class Scheduler:
         if step.num_new_tokens == 0:
             return None
         end = start + step.num_new_tokens
+        step.snapshot_end = self.block_manager.snapshot_boundary(request, start, step.num_new_tokens)
         step.encode = [item for item in step.encode if item.start < end]
         step.cached = [item for item in step.cached if item.start < end]
         step.shared = [i.hash for i in request.items_overlapping(start, end) if i.hash in encoding]
@@ -175,6 +189,8 @@ class Scheduler:
         return num_new
 
     def _commit(self, step: ScheduledRequest, encoding: dict[str, set[str]], scheduled: list) -> None:
+        if step.snapshot_end is not None:
+            step.snapshot_row = self.block_manager.states.reserve_snapshot()
         for item in step.encode:
             encoding.setdefault(item.hash, set()).add(step.request.request_id)
             self._rows[item.hash] = item.num_embeds
@@ -206,6 +222,8 @@ class Scheduler:
             request = step.request
             request.num_computed_tokens += step.num_new_tokens
             self.block_manager.cache_full_blocks(request)
+            if step.snapshot_row is not None:  # the state at the boundary is in its row now
+                self.block_manager.publish_snapshot(request, step.snapshot_end, step.snapshot_row)
             if self.kv_window is not None:  # the next query, at >= n, sees keys from n - W + 1 on
                 self.block_manager.release_before(request, request.num_computed_tokens - self.kv_window + 1)
             for item in request.mm_items:
