@@ -34,6 +34,7 @@ _BUILTIN_MODELS = {
     "Qwen2_5_VLForConditionalGeneration": "tessera.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "tessera.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration": "tessera.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+    "Lfm2VlForConditionalGeneration": "tessera.models.lfm2_vl:Lfm2VlForConditionalGeneration",
     "FuyuForCausalLM": "tessera.models.fuyu:FuyuForCausalLM",
     "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
     "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",

@@ -95,6 +95,12 @@ class ServerMetrics:
             "tessera_requests_waiting": ("Sequences waiting to be scheduled", read("waiting")),
             "tessera_kv_blocks_used": ("KV cache blocks in use", read("kv_blocks_used")),
             "tessera_kv_blocks_total": ("KV cache blocks in the pool", read("kv_blocks_total")),
+            "tessera_state_slots_used": (
+                "Recurrent-state rows held by running sequences (hybrid models)", read("state_slots_used")
+            ),
+            "tessera_state_slots_total": (
+                "Recurrent-state rows for running sequences (hybrid models; 0 for others)", read("state_slots_total")
+            ),
             "tessera_prefix_cache_hit_rate": (
                 "Prompt tokens found in the prefix cache",
                 lambda: _rate(*_pick(stats(), "prefix_cache_hits", "prefix_cache_queries")),
