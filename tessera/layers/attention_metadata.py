@@ -58,8 +58,9 @@ class AttentionMetadata:
     """Per sequence, its row in the state tensors of the model's non-attention layers (hybrid models:
     `state_cache.py`); None for attention-only models."""
 
-    state_snapshots: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """Sequence -> (offset, row): its state after its first `offset` new tokens is also written to `row`."""
+    state_snapshots: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """Sequence -> [(offset, row)] by offset: its state after its first `offset` new tokens is also written to
+    `row`."""
 
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
     """Masks already built this step, by (what, sequence or None, window)."""
@@ -123,7 +124,7 @@ class AttentionMetadata:
             decode_mask=mask.to(device),
             bidirectional_spans=spans,
             state_slots=None if state_slots is None else list(state_slots),
-            state_snapshots={seq: (offset, row) for seq, offset, row in state_snapshots},
+            state_snapshots=_by_sequence(state_snapshots),
         )
 
     @property
@@ -205,6 +206,13 @@ class AttentionMetadata:
                 visible.append((start - skip, length - skip))
             self._masks[key] = visible
         return self._masks[key]
+
+
+def _by_sequence(snapshots: Sequence[tuple[int, int, int]]) -> dict[int, list[tuple[int, int]]]:
+    by_sequence: dict[int, list[tuple[int, int]]] = {}
+    for seq, offset, row in sorted(snapshots):
+        by_sequence.setdefault(seq, []).append((offset, row))
+    return by_sequence
 
 
 def _relevant_spans(spans: Sequence[tuple[int, int]], query_start: int, context_len: int) -> list[tuple[int, int]]:

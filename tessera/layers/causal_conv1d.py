@@ -8,7 +8,7 @@ inputs. Decode steps (one token per sequence) run as one batched product; prompt
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 import torch
@@ -22,11 +22,11 @@ def causal_conv1d(
     conv_state: torch.Tensor,
     slots: list[int],
     query_lens: list[int],
-    snapshots: Mapping[int, tuple[int, int]] = {},  # noqa: B006  (read only)
+    snapshots: Mapping[int, Sequence[tuple[int, int]]] = {},  # noqa: B006  (read only)
 ) -> torch.Tensor:
     """x [T, C] (the step's new tokens, sequences one after the other, `query_lens` each), weight [C, K],
     conv_state [num_rows, C, K - 1] (sequence i's in row slots[i], updated) -> the convolution [T, C].
-    `snapshots`: sequence i -> (p, row): the state after its first p new tokens is also written to `row`."""
+    `snapshots`: sequence i -> [(p, row)]: the state after its first p new tokens is also written to `row`."""
     out = torch.empty_like(x)
     width = weight.shape[1]
     starts = [0]
@@ -41,15 +41,14 @@ def causal_conv1d(
         out[rows] = y if bias is None else y + bias
         conv_state[index] = window[:, :, 1:].to(conv_state.dtype)
         for i in decode:
-            if i in snapshots:
-                conv_state[snapshots[i][1]] = conv_state[slots[i]]
+            for _, row in snapshots.get(i, ()):  # one token: the state after it
+                conv_state[row] = conv_state[slots[i]]
     for i, n in enumerate(query_lens):
         if n == 1:
             continue
         window = torch.cat([conv_state[slots[i]].to(x.dtype), x[starts[i] : starts[i + 1]].t()], dim=-1)  # [C, K-1+n]
         out[starts[i] : starts[i + 1]] = F.conv1d(window[None], weight[:, None, :], bias, groups=weight.shape[0])[0].t()
         conv_state[slots[i]] = window[:, window.shape[1] - (width - 1) :].to(conv_state.dtype)
-        if i in snapshots:
-            offset, row = snapshots[i]
+        for offset, row in snapshots.get(i, ()):
             conv_state[row] = window[:, offset : offset + width - 1].to(conv_state.dtype)
     return out

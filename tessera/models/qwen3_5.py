@@ -158,14 +158,13 @@ class Qwen3_5GatedDeltaNet(StatefulLayer):
             index = torch.tensor([slots[i] for i in decode], device=v.device)
             out[rows], state[index] = recurrent_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state[index])
             for i in decode:
-                if i in snapshots:
-                    state[snapshots[i][1]] = state[slots[i]]
+                for _, row in snapshots.get(i, ()):
+                    state[row] = state[slots[i]]
         for i, n in enumerate(metadata.query_lens):
             if n == 1:
                 continue
-            offset, row = snapshots.get(i, (n, None))
-            seq_state = state[slots[i]]
-            for lo, hi in ((0, offset), (offset, n)):  # the state after the first `offset` tokens is kept
+            seq_state, lo = state[slots[i]], 0
+            for hi, row in [*snapshots.get(i, ()), (n, None)]:  # split where the state is kept
                 if hi > lo:
                     rows = slice(starts[i] + lo, starts[i] + hi)
                     seq_out, seq_state = chunked(
@@ -173,8 +172,9 @@ class Qwen3_5GatedDeltaNet(StatefulLayer):
                         g[rows].t(), beta[rows].t(), seq_state,
                     )  # fmt: skip
                     out[rows] = seq_out.transpose(0, 1)
-                if hi == offset and row is not None:
+                if row is not None:
                     state[row] = seq_state
+                lo = hi
             state[slots[i]] = seq_state
         return out
 

@@ -246,3 +246,24 @@ def test_text_model_matches_hf_over_long_prompts_in_chunks(qwen3_5_text):
         assert [tokens for tokens, _ in results] == expected
         for (_, logprobs), want in zip(results, expected_logprobs):
             torch.testing.assert_close(logprobs[0], want[: logprobs.shape[1]], atol=1e-4, rtol=0)
+
+
+def test_another_question_about_the_same_image_starts_after_the_image(qwen3_5):
+    """A new prompt that shares only the image with an earlier one continues from the snapshot taken at the
+    last block boundary of the image (its tokens and vision encoding not recomputed); HF's answer."""
+    folder, hf_processor, _, _ = qwen3_5
+    hf_model = HFQwen3_5.from_pretrained(folder, attn_implementation="eager").eval()
+    image = random_images([(50, 100)], seed=1)
+    other = f"<|im_start|>user\n{IMAGE}Where is the square, and how big is it?<|im_end|>\n<|im_start|>assistant\n"
+    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory="4MiB")
+    tokens(llm, [{"prompt": ONE_IMAGE, "multi_modal_data": {"image": image}}])
+    blocks = llm.engine.core.block_manager
+    before = blocks.prefix_hits
+    (got,) = tokens(llm, [{"prompt": other, "multi_modal_data": {"image": image}}])
+    processed = MULTIMODAL_REGISTRY.create_processor(folder).apply(other, {"image": image})
+    (placeholder,) = processed["mm_placeholders"]["image"]
+    assert blocks.prefix_hits - before == (placeholder.offset + placeholder.length) // 4 * 4
+    inputs = hf_processor(text=other, images=image, return_tensors="pt")
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+    assert got == out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -141,24 +141,26 @@ class BlockManager:
         """The snapshot row that the request's cached prefix (just allocated) ends at, once; None if none."""
         return self.req_restores.pop(request.request_id, None)
 
-    def snapshot_boundary(self, request: Request, start: int, num_new: int) -> Optional[int]:
-        """Hybrid models with prefix caching: a block boundary within tokens start + 1 .. start + num_new where the
-        request's state is to be kept as a snapshot, None if none: the last boundary before the prompt's last
-        token (a later prompt reusing it has a token left to compute), and in the output every block's end (the
-        next turn of a chat starts with this one's answer), unless a snapshot of that block exists."""
+    def snapshot_boundaries(self, request: Request, start: int, num_new: int) -> list[int]:
+        """Hybrid models with prefix caching: the block boundaries within tokens start + 1 .. start + num_new where
+        the request's state is to be kept as a snapshot (none with one already): the last boundary at or before
+        each image's end (another question about the image shares the prefix up to there), the last before the
+        prompt's last token (a later prompt reusing it has a token left to compute), and in the output every
+        block's end (the next turn of a chat starts with this one's answer)."""
         if self.states is None or not self.states.num_snapshots or not self.enable_prefix_caching:
-            return None
+            return []
         size, end = self.block_size, start + num_new
-        prompt_end = (request.num_prompt_tokens - 1) // size * size
-        if start < prompt_end <= end:
-            boundary = prompt_end
-        elif end > request.num_prompt_tokens and end // size * size > start:
-            boundary = end // size * size
-        else:
-            return None
-        if boundary == 0 or boundary > len(request.all_token_ids):
-            return None
-        return None if self.states.has_snapshot(self.block_hashes_of(request)[boundary // size - 1]) else boundary
+        candidates = {item.end // size * size for item in request.items_overlapping(start, end + size)}
+        candidates.add((request.num_prompt_tokens - 1) // size * size)
+        if end > request.num_prompt_tokens:
+            candidates.add(end // size * size)
+        limit = min(end, len(request.all_token_ids))
+        hashes = self.block_hashes_of(request)
+        return sorted(
+            b for b in candidates
+            if start < b <= limit and (b <= request.num_prompt_tokens or b == end // size * size)
+            and not self.states.has_snapshot(hashes[b // size - 1])
+        )  # fmt: skip
 
     def publish_snapshot(self, request: Request, end: int, row: int) -> None:
         """The state after the request's first `end` tokens (a block boundary) is in snapshot row `row`. Of the

@@ -131,8 +131,8 @@ class ModelRunner:
             bidirectional_spans=[_item_spans(s.request) for s in out.scheduled] if self.is_mm_prefix_lm else None,
             state_slots=slots,
             state_restores=out.state_restores,
-            state_snapshots=[(i, s.snapshot_end - s.request.num_computed_tokens, s.snapshot_row)
-                             for i, s in enumerate(out.scheduled) if s.snapshot_row is not None],
+            state_snapshots=[(i, end - s.request.num_computed_tokens, row)
+                             for i, s in enumerate(out.scheduled) for end, row in s.snapshots],
         )  # fmt: skip
         return inputs, sampling
 

@@ -41,11 +41,12 @@ class ScheduledRequest:
     cached: list[MultiModalItem] = field(default_factory=list)
     """Items this request needs that the encoder cache holds."""
 
-    snapshot_end: Optional[int] = None
-    """Hybrid models: a block boundary within the step's tokens where the request's state is to be kept."""
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
+    """Hybrid models: (block boundary within the step's tokens, snapshot row): the stateful layers write the
+    request's state there to the row (the rows are taken when the step is committed)."""
 
-    snapshot_row: Optional[int] = None
-    """The snapshot row the stateful layers write that state to (set when the step is committed)."""
+    snapshot_ends: list[int] = field(default_factory=list)
+    """The boundaries planned, before rows are taken."""
 
 
 @dataclass
@@ -172,7 +173,7 @@ class Scheduler:
         if step.num_new_tokens == 0:
             return None
         end = start + step.num_new_tokens
-        step.snapshot_end = self.block_manager.snapshot_boundary(request, start, step.num_new_tokens)
+        step.snapshot_ends = self.block_manager.snapshot_boundaries(request, start, step.num_new_tokens)
         step.encode = [item for item in step.encode if item.start < end]
         step.cached = [item for item in step.cached if item.start < end]
         step.shared = [i.hash for i in request.items_overlapping(start, end) if i.hash in encoding]
@@ -189,8 +190,10 @@ class Scheduler:
         return num_new
 
     def _commit(self, step: ScheduledRequest, encoding: dict[str, set[str]], scheduled: list) -> None:
-        if step.snapshot_end is not None:
-            step.snapshot_row = self.block_manager.states.reserve_snapshot()
+        for end in step.snapshot_ends:
+            row = self.block_manager.states.reserve_snapshot()
+            if row is not None:
+                step.snapshots.append((end, row))
         for item in step.encode:
             encoding.setdefault(item.hash, set()).add(step.request.request_id)
             self._rows[item.hash] = item.num_embeds
@@ -222,8 +225,8 @@ class Scheduler:
             request = step.request
             request.num_computed_tokens += step.num_new_tokens
             self.block_manager.cache_full_blocks(request)
-            if step.snapshot_row is not None:  # the state at the boundary is in its row now
-                self.block_manager.publish_snapshot(request, step.snapshot_end, step.snapshot_row)
+            for end, row in step.snapshots:  # the state at each boundary is in its row now
+                self.block_manager.publish_snapshot(request, end, row)
             if self.kv_window is not None:  # the next query, at >= n, sees keys from n - W + 1 on
                 self.block_manager.release_before(request, request.num_computed_tokens - self.kv_window + 1)
             for item in request.mm_items:

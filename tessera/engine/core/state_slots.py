@@ -4,9 +4,10 @@ prefix caching.
 A recurrent layer's state after a prefix is all a later request with that prefix needs from it, but unlike
 KV blocks it is not kept for every token. So the stateful layers also write a sequence's state at chosen
 block boundaries into snapshot rows, found later by the hash of the block ending there (whose chain covers
-every token and image before it): the last boundary before the prompt's last token, and the end of each
-block of the output (only the latest kept per request), so that the next turn of a chat, which starts with
-this one's prompt and answer, finds it (`BlockManager.snapshot_boundary`). A request whose cached blocks
+every token and image before it): the last boundary at or before each image's end (another question about
+the image), the last before the prompt's last token, and the end of each block of the output (only the
+latest kept per request: the next turn of a chat starts with this one's prompt and answer)
+(`BlockManager.snapshot_boundaries`). A request whose cached blocks
 reach a snapshotted block restores the snapshot into its own row and computes from there; its cached blocks
 beyond the last snapshot are not used (the state after them is unknown), never a wrong state. Snapshots are
 evicted least recently used first.
