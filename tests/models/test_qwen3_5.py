@@ -267,3 +267,41 @@ def test_another_question_about_the_same_image_starts_after_the_image(qwen3_5):
     with torch.no_grad():
         out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
     assert got == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_chat_with_a_clip_and_an_image_gets_hfs_answer(qwen3_5, tmp_path):
+    """A clip file and an image through LLM.chat (the chat template, the video sampled to 6 frames with its
+    timestamps): the prompt and the answer are HF's."""
+    folder, hf_processor, _, _ = qwen3_5
+    hf_model = HFQwen3_5.from_pretrained(folder, attn_implementation="eager").eval()
+    path, image_path = tmp_path / "clip.mp4", tmp_path / "image.png"
+    path.write_bytes(video_bytes(num_frames=24, width=32, height=32, fps=8))
+    image = random_images([(60, 40)], seed=7)[0]
+    image.save(image_path)
+    decoded = decode_video(path.read_bytes(), num_frames=6)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(image_path)}},
+                                             {"type": "video_url", "video_url": {"url": str(path)}},
+                                             {"type": "text", "text": "Compare them."}]}]  # fmt: skip
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "video"},
+                                                {"type": "text", "text": "Compare them."}]}]  # fmt: skip
+    text = hf_processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    inputs = hf_inputs(hf_processor, text, {"image": [image], "video": [decoded]})
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="4MiB")
+    (output,) = llm.chat(messages, GREEDY, use_tqdm=False, media_io_kwargs={"video": {"num_frames": 6}})
+    assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert output.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_gated_norm_matches_hf():
+    from tessera.models.qwen3_5 import GatedRMSNorm
+
+    torch.manual_seed(2)
+    hf = hf_modeling.Qwen3_5RMSNormGated(8, eps=1e-6)
+    ours = GatedRMSNorm(8, 1e-6)
+    with torch.no_grad():
+        hf.weight.normal_()
+        ours.weight.copy_(hf.weight)
+    x, gate = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
+    torch.testing.assert_close(ours(x, gate), hf(x, gate), atol=1e-6, rtol=1e-6)
