@@ -105,3 +105,21 @@ def test_the_next_turn_continues_from_the_snapshot_in_the_answer(lfm2):
     assert got.outputs[0].token_ids == out[0, len(following) :].tolist()
     computed = len(ids[0]) + len(answer) - 1  # the last sampled token is never run through the model
     assert blocks.prefix_hits == computed // 4 * 4 > len(ids[0])
+
+
+def test_an_aborted_sequence_gives_its_state_row_back(lfm2):
+    from tessera.engine.llm_engine import LLMEngine
+
+    folder, _, ids, expected = lfm2
+    engine = LLMEngine.from_options(str(folder), device="cpu", block_size=4, kv_cache_memory="4MiB", max_num_seqs=2)
+    engine.add_request("a", {"prompt_token_ids": ids[0]}, GREEDY)
+    engine.add_request("b", {"prompt_token_ids": ids[1]}, GREEDY)
+    engine.step()
+    assert engine.stats()["state_slots_used"] == 2
+    engine.abort_request("a")
+    engine.step()
+    assert engine.stats()["state_slots_used"] == 1
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert outputs == {"b": expected[1][1]} and engine.stats()["state_slots_used"] == 0
