@@ -100,6 +100,31 @@ class DecoderModel(nn.Module):
         return getattr(self, self.norm_name)(hidden_states)
 
 
+class HybridDecoderModel(nn.Module):
+    """A decoder whose layers differ in their token mixer by `layer_types` (attention, linear attention, a
+    convolution: Qwen3.5, LFM2): `embed_tokens`, the layers built by `make_layer(config, layer_type,
+    rotary_emb)` (one rotary embedding, shared by the attention layers), a final norm under `norm_name`."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        make_layer: Callable[[PretrainedConfig, str, nn.Module], nn.Module],
+        norm_name: str,
+        make_norm: Callable[[], nn.Module],
+    ) -> None:
+        super().__init__()
+        layer_types = list(config.layer_types)
+        if len(layer_types) != config.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {config.num_hidden_layers} layers")
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = get_rope(config, head_dim_of(config))
+        self.layers = nn.ModuleList(make_layer(config, layer_type, rotary_emb) for layer_type in layer_types)
+        self.norm_name = norm_name
+        self.add_module(norm_name, make_norm())
+
+    forward = DecoderModel.forward
+
+
 def rotary_embeddings(config: PretrainedConfig) -> dict[str, nn.Module]:
     """Layer type -> its rotary embedding: one per distinct rope config, shared by its layers."""
     rope_parameters = getattr(config, "rope_parameters", None) or {}

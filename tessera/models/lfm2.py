@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -21,10 +19,8 @@ from tessera.layers.attention import PagedAttention, get_attention_metadata
 from tessera.layers.causal_conv1d import causal_conv1d
 from tessera.layers.layernorm import RMSNorm
 from tessera.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from tessera.layers.rotary import get_rope
 from tessera.layers.state_cache import StatefulLayer, StateSpec
-from tessera.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from tessera.models.causal_lm import CausalLM, head_dim_of
+from tessera.models.causal_lm import CausalLM, HybridDecoderModel, head_dim_of
 
 CONV, FULL_ATTENTION = "conv", "full_attention"
 
@@ -125,24 +121,10 @@ class Lfm2DecoderLayer(nn.Module):
         return hidden_states + self.feed_forward(self.ffn_norm(hidden_states))
 
 
-class Lfm2Model(nn.Module):
+class Lfm2Model(HybridDecoderModel):
     def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        layer_types = list(config.layer_types)
-        if len(layer_types) != config.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(layer_types)} entries for {config.num_hidden_layers} layers")
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = get_rope(config, head_dim_of(config))
-        self.layers = nn.ModuleList(Lfm2DecoderLayer(config, t, rotary_emb) for t in layer_types)
-        self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps)  # HF's name; the final norm
-
-    def forward(
-        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.embedding_norm(hidden_states)
+        make_norm = lambda: RMSNorm(config.hidden_size, config.norm_eps)  # noqa: E731
+        super().__init__(config, Lfm2DecoderLayer, "embedding_norm", make_norm)  # HF's name for the final norm
 
 
 class Lfm2ForCausalLM(CausalLM):

@@ -28,10 +28,8 @@ from tessera.layers.attention import PagedAttention, get_attention_metadata
 from tessera.layers.causal_conv1d import causal_conv1d
 from tessera.layers.gated_delta_rule import chunked, l2norm, recurrent_step
 from tessera.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from tessera.layers.rotary import get_rope
 from tessera.layers.state_cache import StatefulLayer, StateSpec
-from tessera.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from tessera.models.causal_lm import CausalLM, head_dim_of
+from tessera.models.causal_lm import CausalLM, HybridDecoderModel, head_dim_of
 from tessera.models.gemma3 import Gemma3RMSNorm
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMRoPE, SupportsMultiModal
 from tessera.models.llama import LlamaMLP
@@ -203,24 +201,10 @@ class Qwen3_5DecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-class Qwen3_5TextModel(nn.Module):
+class Qwen3_5TextModel(HybridDecoderModel):
     def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        layer_types = list(config.layer_types)
-        if len(layer_types) != config.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(layer_types)} entries for {config.num_hidden_layers} layers")
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = get_rope(config, head_dim_of(config))  # partial, interleaved M-RoPE; shared by the layers
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t, rotary_emb) for t in layer_types)
-        self.norm = Gemma3RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, hidden]
-        for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.norm(hidden_states)
+        make_norm = lambda: Gemma3RMSNorm(config.hidden_size, config.rms_norm_eps)  # noqa: E731
+        super().__init__(config, Qwen3_5DecoderLayer, "norm", make_norm)  # rotary: partial, interleaved M-RoPE
 
 
 class Qwen3_5ForCausalLM(CausalLM, SupportsMRoPE):
