@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from ..errors import InputError
+from .audio import as_waveform
 from .inputs import ImageItem, MultiModalDataDict
 from .media import MediaPolicy
 from .video import VideoFrames
@@ -100,6 +101,16 @@ class ImageProcessorItems(ProcessorBatchItems[ImageItem]):
 
     def get_image_size(self, item_index: int) -> ImageSize:
         return image_size_of(self.get(item_index))
+
+
+class AudioProcessorItems(ProcessorBatchItems[np.ndarray]):
+    """Mono float32 waveforms at the model's sampling rate (multimodal/audio.py)."""
+
+    def __init__(self, data: Sequence[np.ndarray]) -> None:
+        super().__init__(data, "audio")
+
+    def get_audio_length(self, item_index: int) -> int:
+        return len(self.get(item_index))
 
 
 class ImageEmbeddingItems(EmbeddingItems):
@@ -193,7 +204,11 @@ class MultiModalDataParser:
     precomputed embeddings under the key ``"image_embeds"``: a (num_items, feature_size, hidden)
     tensor or a list of (feature_size, hidden) tensors. Videos: one video as a uint8 [T, H, W, 3]
     array, a list of PIL images, a list of HWC uint8 arrays or a decoded `VideoFrames`, or a list
-    of such videos."""
+    of such videos. Audio: a waveform (1-D, at the model's rate), a (waveform, sampling_rate) pair, or a
+    list of them; resampled to `target_sr` (the model's feature extractor's rate) where given."""
+
+    def __init__(self, *, target_sr: Optional[int] = None) -> None:
+        self.target_sr = target_sr
 
     def parse_mm_data(self, mm_data: MultiModalDataDict) -> MultiModalDataItems:
         items = MultiModalDataItems()
@@ -207,6 +222,8 @@ class MultiModalDataParser:
                 parsed = ImageProcessorItems(_as_image_list(data))
             elif key == "video":
                 parsed = _as_video_items(data)
+            elif key == "audio":
+                parsed = self._parse_audio(data)
             else:
                 parsed = ProcessorBatchItems(data if isinstance(data, list) else [data], key)
             if parsed.get_count() == 0:
@@ -218,6 +235,13 @@ class MultiModalDataParser:
                 )
             items[parsed.modality] = parsed
         return items
+
+    def _parse_audio(self, data: Any) -> AudioProcessorItems:
+        single = isinstance(data, tuple) or (isinstance(data, np.ndarray) and data.ndim == 1)
+        items = [data] if single else list(data)
+        if self.target_sr is None:
+            return AudioProcessorItems([np.asarray(item[0] if isinstance(item, tuple) else item) for item in items])
+        return AudioProcessorItems([as_waveform(item, self.target_sr, i) for i, item in enumerate(items)])
 
     def _parse_embeddings(self, modality: str, data: Any) -> EmbeddingItems:
         tensors = list(data) if isinstance(data, (list, tuple)) else None
