@@ -238,8 +238,15 @@ class MultiModalDataParser:
 
     def _parse_audio(self, data: Any) -> AudioProcessorItems:
         single = isinstance(data, tuple) or (isinstance(data, np.ndarray) and data.ndim == 1)
+        if not single and not isinstance(data, (list, np.ndarray)):
+            raise InputError(
+                f"audio must be a waveform, a (waveform, sampling_rate) pair or a list of them, got {type(data).__name__}."
+            )
         items = [data] if single else list(data)
-        if self.target_sr is None:
+        for i, item in enumerate(items):
+            if not isinstance(item, (tuple, np.ndarray, list, torch.Tensor)):
+                raise InputError(f"audio item {i} must be a waveform or a (waveform, sampling_rate) pair.")
+        if self.target_sr is None:  # a model without audio refuses the items by name later
             return AudioProcessorItems([np.asarray(item[0] if isinstance(item, tuple) else item) for item in items])
         return AudioProcessorItems([as_waveform(item, self.target_sr, i) for i, item in enumerate(items)])
 

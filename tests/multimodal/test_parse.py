@@ -75,9 +75,14 @@ def test_tensor_batch_is_split_into_items():
 
 
 def test_other_modalities_are_passed_as_plural_key():
-    items = parse(audio="clip")
-    assert isinstance(items["audio"], ProcessorBatchItems)
-    assert items["audio"].get_processor_data() == {"audios": ["clip"]}
+    items = parse(point_cloud="cloud")
+    assert isinstance(items["point_cloud"], ProcessorBatchItems)
+    assert items["point_cloud"].get_processor_data() == {"point_clouds": ["cloud"]}
+
+
+def test_audio_that_is_no_waveform_is_refused():
+    with pytest.raises(InputError, match="audio must be a waveform"):
+        parse(audio="clip")
 
 
 @pytest.mark.parametrize("empty", [[], np.zeros((0, H, W, 3), dtype=np.uint8)])
