@@ -35,6 +35,7 @@ _BUILTIN_MODELS = {
     "Qwen3VLForConditionalGeneration": "tessera.models.qwen3_vl:Qwen3VLForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration": "tessera.models.qwen3_5:Qwen3_5ForConditionalGeneration",
     "Lfm2VlForConditionalGeneration": "tessera.models.lfm2_vl:Lfm2VlForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration": "tessera.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
     "FuyuForCausalLM": "tessera.models.fuyu:FuyuForCausalLM",
     "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
     "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",

@@ -240,7 +240,8 @@ class MultiModalDataParser:
         single = isinstance(data, tuple) or (isinstance(data, np.ndarray) and data.ndim == 1)
         if not single and not isinstance(data, (list, np.ndarray)):
             raise InputError(
-                f"audio must be a waveform, a (waveform, sampling_rate) pair or a list of them, got {type(data).__name__}."
+                "audio must be a waveform, a (waveform, sampling_rate) pair or a list of them, "
+                f"got {type(data).__name__}."
             )
         items = [data] if single else list(data)
         for i, item in enumerate(items):
