@@ -73,7 +73,7 @@ def decode_audio(data: bytes, target_sr: int, *, max_seconds: float = MAX_AUDIO_
             raise InputError("The file has no audio track.")
         if not stream.rate or stream.rate <= 0:
             raise InputError(f"The audio track has an invalid sample rate ({stream.rate} Hz).")
-        # the channels kept (planar float) and averaged here: a mono mix, as librosa and HF's pipelines make it
+        # the channels kept (planar float) and averaged here: a mono mix, as librosa makes it
         resampler = av.AudioResampler(format="fltp", rate=target_sr)
         pieces, samples, limit = [], 0, int(max_seconds * target_sr)
         try:
