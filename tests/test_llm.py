@@ -269,8 +269,10 @@ def test_chat_takes_several_conversations_and_plain_string_content(llm):
 
 
 def test_chat_rejects_an_unknown_content_part(llm):
-    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: unsupported content part type 'audio_url'"):
-        llm.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": "x"}]}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]: unsupported content part type 'file'"):
+        llm.chat([{"role": "user", "content": [{"type": "file", "file": "x"}]}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"This model \(llava\) does not support audio input"):
+        llm.chat([{"role": "user", "content": [{"type": "audio_url", "audio_url": "x.wav"}]}], use_tqdm=False)
 
 
 def test_chat_on_a_model_without_a_chat_template_is_a_clear_error(tiny_fuyu_dir):

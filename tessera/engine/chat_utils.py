@@ -20,6 +20,8 @@ from ..special_tokens import adds_special_token
 Message = Mapping[str, Any]
 ImageLoader = Callable[[str], Any]
 VideoLoader = Callable[[str], Any]
+AudioLoader = Callable[[str], Any]
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "webm", "m4a", "mp4", "aac")
 Placeholder = Callable[[int], Optional[str]]
 
 
@@ -28,7 +30,7 @@ def media_url_of(part: Mapping[str, Any], kind: str) -> str:
     value = part.get(f"{kind}_url")
     url = value.get("url") if isinstance(value, Mapping) else value
     if not isinstance(url, str) or not url:
-        article = "An" if kind == "image" else "A"
+        article = "An" if kind in ("image", "audio") else "A"
         raise InputError(
             f"{article} {kind}_url content part needs {{'{kind}_url': {{'url': 'data:{kind}/...;base64,...'}}}}."
         )
@@ -37,6 +39,25 @@ def media_url_of(part: Mapping[str, Any], kind: str) -> str:
 
 def no_video(url: str) -> Any:
     raise InputError("Video input (a video_url part) is not supported here; send images or text.")
+
+
+def no_audio(url: str) -> Any:
+    raise InputError("Audio input (an input_audio or audio_url part) is not supported here; send images or text.")
+
+
+def audio_data_url(part: Mapping[str, Any], where: str) -> str:
+    """An `input_audio` part ({"input_audio": {"data": <base64>, "format": "wav"}}, OpenAI's) as a data URL."""
+    value = part.get("input_audio")
+    data = value.get("data") if isinstance(value, Mapping) else None
+    fmt = value.get("format") if isinstance(value, Mapping) else None
+    if not isinstance(data, str) or not data:
+        raise InputError(
+            f"{where}: an input_audio part needs {{'input_audio': {{'data': <base64>, 'format': 'wav'}}}}."
+        )
+    if not isinstance(fmt, str) or fmt.lower() not in AUDIO_FORMATS:
+        raise InputError(f"{where}.input_audio.format must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}.")
+    mime = {"mp3": "mpeg", "m4a": "mp4"}.get(fmt.lower(), fmt.lower())
+    return f"data:audio/{mime};base64,{data}"
 
 
 def parse_chat_messages(
@@ -65,14 +86,16 @@ def parse_chat_media(
     image_text: Optional[str] = None,
     *,
     load_video: VideoLoader = no_video,
+    load_audio: AudioLoader = no_audio,
 ) -> tuple[list[dict], dict[str, list[Any]], dict[str, list[Optional[str]]]]:
-    """(HF messages, {"image": [...], "video": [...]} loaded in order of appearance, their ids
-    {"image": [...], "video": [...]}). `load_video(url)` loads a video_url part's video (by
-    default video parts are refused); with `image_text` (text-only templates) videos are refused."""
+    """(HF messages, {"image": [...], "video": [...], "audio": [...]} loaded in order of appearance, their ids
+    per modality). `load_video(url)` loads a video_url part's video, `load_audio(url)` an input_audio
+    (as a data URL) or audio_url part's recording (by default both are refused); with `image_text`
+    (text-only templates) videos and audio are refused."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InputError(f"messages must be a list of message objects, got {type(messages).__name__}.")
-    media: dict[str, list[Any]] = {"image": [], "video": []}
-    uuids: dict[str, list[Optional[str]]] = {"image": [], "video": []}
+    media: dict[str, list[Any]] = {"image": [], "video": [], "audio": []}
+    uuids: dict[str, list[Optional[str]]] = {"image": [], "video": [], "audio": []}
     images = media["image"]
     hf_messages = []
     for m, message in enumerate(messages):
@@ -129,9 +152,20 @@ def parse_chat_media(
                 media["video"].append(load_video(url))
                 uuids["video"].append(uuid)
                 parts.append({"type": "video"})
+            elif kind in ("input_audio", "audio_url"):
+                uuid = part.get("uuid")
+                if not isinstance(uuid, (str, type(None))):
+                    raise InputError(f"{where}.uuid must be a string (the audio's id), got {_kind(uuid)}.")
+                url = audio_data_url(part, where) if kind == "input_audio" else media_url_of(part, "audio")
+                if image_text is not None:
+                    raise InputError("Audio input is not supported by this model; send images or text.")
+                media["audio"].append(load_audio(url))
+                uuids["audio"].append(uuid)
+                parts.append({"type": "audio"})
             else:
                 raise InputError(
-                    f"{where}: unsupported content part type {kind!r}; use 'text', 'image_url' or 'video_url'."
+                    f"{where}: unsupported content part type {kind!r}; use 'text', 'image_url', 'video_url', "
+                    "'input_audio' or 'audio_url'."
                 )
         if image_text is not None:
             text = "".join(image_text if p["type"] == "image" else p["text"] for p in parts)
@@ -216,19 +250,23 @@ def detect_content_format(chat_template: str) -> Literal["string", "openai"]:
 
 
 def as_string_content(
-    hf_messages: list[dict], placeholder: Optional[Placeholder] = None, video_placeholder: Optional[Placeholder] = None
+    hf_messages: list[dict],
+    placeholder: Optional[Placeholder] = None,
+    video_placeholder: Optional[Placeholder] = None,
+    audio_placeholder: Optional[Placeholder] = None,
 ) -> list[dict]:
     """Messages with each content list joined into one string, as vLLM's "string" format: the
     model's placeholder for each of the message's images and videos first (in their order), then
     its texts, one per line."""
-    joined, index = [], {"image": 0, "video": 0}
+    joined, index = [], {"image": 0, "video": 0, "audio": 0}
+    texts = {"image": placeholder, "video": video_placeholder, "audio": audio_placeholder}
     for message in hf_messages:
         content = message["content"]
         if isinstance(content, list):
             pieces = []
             for part in (p for p in content if p["type"] in index):
                 kind = part["type"]
-                text_of = placeholder if kind == "image" else video_placeholder
+                text_of = texts[kind]
                 pieces.append((text_of(index[kind]) if text_of else None) or "")
                 index[kind] += 1
             pieces = [p for p in pieces if p] + [p["text"] for p in content if p["type"] == "text"]
@@ -243,6 +281,8 @@ def render_prompt(
     content_format: ContentFormat = "auto", placeholder: Optional[Placeholder] = None,
     videos: Sequence[Any] = (), video_uuids: Optional[Sequence[Optional[str]]] = None,
     video_placeholder: Optional[Placeholder] = None, tools: Optional[list[dict]] = None,
+    audios: Sequence[Any] = (), audio_uuids: Optional[Sequence[Optional[str]]] = None,
+    audio_placeholder: Optional[Placeholder] = None,
 ) -> dict:  # fmt: skip
     """The engine prompt for parsed messages and their loaded images and videos (and their ids, if
     any is named: "multi_modal_uuids"). Message content goes to the template as a list of parts or
@@ -253,14 +293,15 @@ def render_prompt(
     if content_format not in ("auto", "string", "openai"):
         raise InputError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {content_format!r}.")
     if (content_format == "auto" and detect_content_format(chat_template) == "string") or content_format == "string":
-        hf_messages = as_string_content(hf_messages, placeholder, video_placeholder)
+        hf_messages = as_string_content(hf_messages, placeholder, video_placeholder, audio_placeholder)
     options = {"tools": tools} if tools else {}  # as before for requests without tools
     prompt = renderer.apply_chat_template(
         hf_messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False,
         **options,
     )  # fmt: skip
     prompt = without_template_bos(renderer, prompt)
-    return with_media(prompt, {"image": images, "video": videos}, {"image": uuids, "video": video_uuids})
+    media = {"image": images, "video": videos, "audio": audios}
+    return with_media(prompt, media, {"image": uuids, "video": video_uuids, "audio": audio_uuids})
 
 
 def with_media(
@@ -306,15 +347,20 @@ def render_chat(
     load_video: VideoLoader = no_video,
     video_placeholder: Optional[Placeholder] = None,
     tools: Optional[list[dict]] = None,
+    load_audio: AudioLoader = no_audio,
+    audio_placeholder: Optional[Placeholder] = None,
 ) -> dict:
     """The engine prompt for a conversation: {"prompt": text, "multi_modal_data": {"image": [...],
-    "video": [...]}} (the modalities it has), with "multi_modal_uuids" when a part has a "uuid".
-    `renderer` is the model's HF processor (or tokenizer for text-only models)."""
-    hf_messages, media, uuids = parse_chat_media(messages, load_image, image_text, load_video=load_video)
+    "video": [...], "audio": [...]}} (the modalities it has), with "multi_modal_uuids" when a part has a
+    "uuid". `renderer` is the model's HF processor (or tokenizer for text-only models)."""
+    hf_messages, media, uuids = parse_chat_media(
+        messages, load_image, image_text, load_video=load_video, load_audio=load_audio
+    )
     return render_prompt(renderer, chat_template, hf_messages, media["image"], add_generation_prompt,
                          uuids=uuids["image"], content_format=content_format, placeholder=placeholder,
                          videos=media["video"], video_uuids=uuids["video"],
-                         video_placeholder=video_placeholder, tools=tools)  # fmt: skip
+                         video_placeholder=video_placeholder, tools=tools, audios=media["audio"],
+                         audio_uuids=uuids["audio"], audio_placeholder=audio_placeholder)  # fmt: skip
 
 
 def render_plain(

@@ -15,7 +15,16 @@ from ..config import ModelConfig
 from ..errors import InputError
 from ..multimodal.inline_images import inline_images_to_prompt
 from ..sampling_params import SamplingParams
-from .chat_utils import ContentFormat, ImageLoader, Message, Placeholder, VideoLoader, render_chat, render_plain
+from .chat_utils import (
+    AudioLoader,
+    ContentFormat,
+    ImageLoader,
+    Message,
+    Placeholder,
+    VideoLoader,
+    render_chat,
+    render_plain,
+)
 from .core.core_io import EngineLimits
 from .prompt import PromptInputs, PromptType, longest_token_chars, process_prompt
 
@@ -31,6 +40,7 @@ class InputPreprocessor:
         chat_renderer: tuple[Any, Optional[str]] = (None, None),
         placeholder: Optional[Callable[[int], Optional[str]]] = None,
         video_placeholder: Optional[Placeholder] = None,
+        audio_placeholder: Optional[Placeholder] = None,
     ) -> None:
         """`chat_renderer`: (what renders chat templates, the text an image part becomes where the
         model's template takes text only, or None); `placeholder(i)`: the model's prompt text for image i,
@@ -44,6 +54,7 @@ class InputPreprocessor:
         self.chat_template: Optional[str] = getattr(self.renderer, "chat_template", None)
         self.placeholder = placeholder
         self.video_placeholder = video_placeholder
+        self.audio_placeholder = audio_placeholder  # given only for a model that takes audio
         text_config = model_config.hf_config.get_text_config()
         self.vocab_size = text_config.vocab_size  # token ids a prompt may hold: rows of the embedding table
         # No text longer than this can fit the context (every token covers at most this many
@@ -69,6 +80,7 @@ class InputPreprocessor:
         plain_fallback: bool = False,
         load_video: Optional[VideoLoader] = None,
         tools: Optional[list[dict]] = None,
+        load_audio: Optional[AudioLoader] = None,
     ) -> dict:
         """The prompt dict for an OpenAI-style conversation through the model's chat template (or
         `chat_template`); with `plain_fallback`, a model without one gets its last message as it is.
@@ -81,7 +93,9 @@ class InputPreprocessor:
                                 video_placeholder=self.video_placeholder)  # fmt: skip
         return render_chat(self.renderer, template, messages, load_image, add_generation_prompt, self.image_text,
                            content_format=content_format, placeholder=self.placeholder, load_video=video,
-                           video_placeholder=self.video_placeholder, tools=tools)  # fmt: skip
+                           video_placeholder=self.video_placeholder, tools=tools,
+                           load_audio=self.audio_loader(load_audio),
+                           audio_placeholder=self.audio_placeholder)  # fmt: skip
 
     @property
     def takes_video(self) -> bool:
@@ -100,6 +114,20 @@ class InputPreprocessor:
             if load_video is None:
                 raise InputError("Video input (a video_url part) is not supported here.")
             return load_video(url)
+
+        return load
+
+    def audio_loader(self, load_audio: Optional[AudioLoader]) -> AudioLoader:
+        """`load_audio`, behind the check that this model takes audio (an InputError naming audio when it
+        does not, or when no loader is given)."""
+
+        def load(url: str) -> Any:
+            if self.audio_placeholder is None or self.image_text is not None:
+                name = self.model_config.hf_config.model_type
+                raise InputError(f"This model ({name}) does not support audio input; send text instead.")
+            if load_audio is None:
+                raise InputError("Audio input (an input_audio or audio_url part) is not supported here.")
+            return load_audio(url)
 
         return load
 

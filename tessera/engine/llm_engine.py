@@ -158,9 +158,12 @@ def _input_preprocessor(model_config: ModelConfig, inputs: BuiltProcessor, limit
     takes_video = info is not None and "video" in info.get_supported_mm_limits()
     if get_placeholder is not None and get_placeholder("video", 0) is not None and takes_video:
         video = lambda i: get_placeholder("video", i)  # noqa: E731
+    audio = None
+    if get_placeholder is not None and info is not None and "audio" in info.get_supported_mm_limits():
+        audio = lambda i: get_placeholder("audio", i)  # noqa: E731
     return InputPreprocessor(
         model_config, inputs.tokenizer, inputs.processor, limits,
-        chat_renderer=inputs.chat_renderer(), placeholder=image, video_placeholder=video,
+        chat_renderer=inputs.chat_renderer(), placeholder=image, video_placeholder=video, audio_placeholder=audio,
     )  # fmt: skip
 
 

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from ..engine.chat_utils import ContentFormat, Message
 from ..engine.llm_engine import LLMEngine
 from ..engine.prompt import PromptType
-from ..multimodal.media import LOCAL_FILES, check_media_io_kwargs, load_image_url, load_video_url
+from ..multimodal.media import LOCAL_FILES, check_media_io_kwargs, load_audio_url, load_image_url, load_video_url
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 
@@ -162,7 +162,9 @@ class LLM:
         io_kwargs = check_media_io_kwargs(dict(media_io_kwargs) if media_io_kwargs is not None else None)
         load = functools.partial(load_image_url, policy=LOCAL_FILES)
         load_video = functools.partial(load_video_url, policy=LOCAL_FILES, **io_kwargs.get("video", {}))
+        load_audio = functools.partial(load_audio_url, policy=LOCAL_FILES)
         return self.engine.input_preprocessor.render_chat(
             messages, load, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             content_format=content_format, plain_fallback=plain_fallback, load_video=load_video, tools=tools,
+            load_audio=load_audio,
         )  # fmt: skip

@@ -61,6 +61,26 @@ def resample(waveform: np.ndarray, rate: int, target_sr: int) -> np.ndarray:
     return np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
 
 
+def decode_audio_native(data: bytes, *, max_seconds: float = MAX_AUDIO_SECONDS) -> tuple[np.ndarray, int]:
+    """(the audio track of an encoded file as a mono float32 waveform at its own rate, that rate)."""
+    rate = _stream_rate(data)
+    return decode_audio(data, rate, max_seconds=max_seconds), rate
+
+
+def _stream_rate(data: bytes) -> int:
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            stream = next(iter(container.streams.audio), None)
+            rate = stream.rate if stream is not None else None
+    except (av.error.FFmpegError, ValueError, OSError) as e:
+        raise InputError(f"The audio could not be decoded ({type(e).__name__}: {e}); send WAV, FLAC, MP3, OGG or M4A.")
+    if stream is None:
+        raise InputError("The file has no audio track.")
+    if not rate or rate <= 0:
+        raise InputError(f"The audio track has an invalid sample rate ({rate} Hz).")
+    return int(rate)
+
+
 def decode_audio(data: bytes, target_sr: int, *, max_seconds: float = MAX_AUDIO_SECONDS) -> np.ndarray:
     """The audio track of an encoded file as a mono float32 waveform at `target_sr`."""
     try:

@@ -24,12 +24,14 @@ from urllib.parse import unquote, urlsplit
 from PIL import Image
 
 from ..errors import InputError, InputTooLargeError
+from .audio import decode_audio_native
 from .image_decode import check_image, decode_image
 from .media_fetch import fetch_url
 from .media_policy import MediaPolicy
 from .video import JpegFrames, VideoFrames, check_frame_count, decode_video
 
 __all__ = [
+    "AUDIO_MIME_TYPES",
     "IMAGE_MIME_TYPES",
     "JPEG_FRAMES_MIME_TYPE",
     "JpegFrames",
@@ -42,6 +44,7 @@ __all__ = [
     "decode_image",
     "decode_video",
     "is_http_url",
+    "load_audio_url",
     "load_image_url",
     "load_video_url",
     "merge_media_io_kwargs",
@@ -51,7 +54,9 @@ __all__ = [
 
 IMAGE_MIME_TYPES = ("image/jpeg", "image/png", "image/webp", "image/gif", "image/bmp")
 VIDEO_MIME_TYPES = ("video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/x-msvideo")
-MIME_TYPES = {"image": IMAGE_MIME_TYPES, "video": VIDEO_MIME_TYPES}
+AUDIO_MIME_TYPES = ("audio/wav", "audio/x-wav", "audio/wave", "audio/mpeg", "audio/mp3", "audio/flac", "audio/ogg",
+                    "audio/opus", "audio/webm", "audio/mp4", "audio/m4a", "audio/x-m4a", "audio/aac")  # fmt: skip
+MIME_TYPES = {"image": IMAGE_MIME_TYPES, "video": VIDEO_MIME_TYPES, "audio": AUDIO_MIME_TYPES}
 JPEG_FRAMES_MIME_TYPE = "video/jpeg"  # vLLM's video as base64 JPEG frames joined by commas (data URLs only)
 MAX_URL_CHARS = 8192  # for http(s) URLs and paths; data URLs are limited by max_bytes
 ASCII_WHITESPACE = b" \t\n\r\x0b\x0c"
@@ -95,7 +100,7 @@ def read_media_bytes(url: str, policy: MediaPolicy, kind: str = "image") -> byte
     media_fetch's log)."""
     if kind not in MIME_TYPES:
         raise ValueError(f"kind must be one of {sorted(MIME_TYPES)}, not {kind!r}")
-    if kind == "video":  # the rest reads max_bytes
+    if kind in ("video", "audio"):  # the rest reads max_bytes; recordings are limited like videos
         policy = dataclasses.replace(policy, max_bytes=policy.max_video_bytes)
     if url[:5].lower() == "data:":
         return read_data_url(url, policy.max_bytes, kind)
@@ -252,6 +257,16 @@ def load_video_url(
     if overrides:
         policy = dataclasses.replace(policy, **{LEGACY_NAMES.get(k, k): v for k, v in overrides.items()})
     return decode_video(read_video_data(url, policy), policy, num_frames=num_frames, fps=fps)
+
+
+def load_audio_url(url: str, policy: Optional[MediaPolicy] = None, **overrides: Any) -> tuple[Any, int]:
+    """(mono float32 waveform, its sampling rate) of the recording at `url` (a `data:audio/...;base64,` URL, a
+    file or an http(s) URL under the same policy rules as images; its bytes limited like a video's); the
+    model's processing resamples it (multimodal/audio.py)."""
+    policy = policy or MediaPolicy()
+    if overrides:
+        policy = dataclasses.replace(policy, **{LEGACY_NAMES.get(k, k): v for k, v in overrides.items()})
+    return decode_audio_native(read_media_bytes(url, policy, kind="audio"))
 
 
 MEDIA_IO_OPTIONS = {"image": frozenset(), "video": frozenset({"num_frames", "fps"})}

@@ -43,7 +43,8 @@ def test_a_text_only_template_gets_each_message_as_one_string():
         ([{"role": "user", "content": 7}], r"messages\[0\]\.content must be .*a number"),
         ([{"role": "user", "content": ["ok", 3]}], r"messages\[0\]\.content\[1\] must be a string or an object"),
         ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"content\[0\]\.text must be a string"),
-        ([{"role": "user", "content": [{"type": "audio_url"}]}], r"content\[0\]: unsupported content part type"),
+        ([{"role": "user", "content": [{"type": "file"}]}], r"content\[0\]: unsupported content part type"),
+        ([{"role": "user", "content": [{"type": "audio_url"}]}], "An audio_url content part needs"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "image_url content part needs"),
         ([{"role": "user", "content": [{"type": "image_pil"}]}], r"content\[0\]: an image_pil part needs"),
         (
@@ -149,3 +150,19 @@ def test_a_chatml_template_renders_string_content_as_hf_does():
     assert render_prompt(tokenizer, CHATML, hf, [])["prompt"] == expected
     with pytest.raises(TypeError):
         render_prompt(tokenizer, CHATML, hf, [], content_format="openai")
+
+
+def test_audio_parts_become_audio_items_or_are_refused():
+    from tessera.engine.chat_utils import parse_chat_media
+
+    messages = [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "mp3"}},
+        {"type": "audio_url", "audio_url": {"url": "file.wav"}, "uuid": "a2"}, "Compare."]}]  # fmt: skip
+    hf, media, uuids = parse_chat_media(messages, lambda url: url, load_audio=lambda url: f"audio:{url}")
+    assert hf[0]["content"][:2] == [{"type": "audio"}, {"type": "audio"}]
+    assert media["audio"] == ["audio:data:audio/mpeg;base64,UklGRg==", "audio:file.wav"]
+    assert uuids["audio"] == [None, "a2"]
+    with pytest.raises(InputError, match="Audio input .* is not supported here"):
+        parse_chat_media(messages, lambda url: url)  # no loader: this entry point takes no audio
+    with pytest.raises(InputError, match="Audio input is not supported by this model"):
+        parse_chat_media(messages, lambda url: url, "<I>", load_audio=lambda url: url)  # a text-only template

@@ -28,8 +28,8 @@ def load_video(url):
 
 def test_video_parts_are_items_in_order_beside_the_images():
     hf, media, uuids = parse_chat_media(MIXED, load_image, load_video=load_video)
-    assert media == {"image": ["image:i1", "image:i2"], "video": ["video:v1", "video:v2"]}
-    assert uuids == {"image": [None, None], "video": ["clip", None]}
+    assert media == {"image": ["image:i1", "image:i2"], "video": ["video:v1", "video:v2"], "audio": []}
+    assert uuids == {"image": [None, None], "video": ["clip", None], "audio": []}
     assert [p["type"] for p in hf[0]["content"]] == ["video", "image", "text", "video", "image"]
 
 

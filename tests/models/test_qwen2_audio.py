@@ -127,3 +127,51 @@ def test_greedy_tokens_match_hf_alone_and_batched(qwen2_audio, options):
 
 def tokens(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_chat_with_input_audio_and_audio_url_gets_hfs_answer(qwen2_audio, tmp_path):
+    """An OpenAI `input_audio` part (base64 WAV at 44.1 kHz) and an `audio_url` part (a WAV file) through
+    LLM.chat and the processor's own chat template: HF's prompt and answer for the same recordings."""
+    import base64
+
+    from tessera.multimodal.audio import decode_audio
+    from tests.multimodal.test_audio import wav_bytes
+
+    folder, hf_model, processor, _, _ = qwen2_audio
+    first, second = wav_bytes(random_audio(1.0, seed=5, rate=44100), 44100), wav_bytes(random_audio(0.6, seed=6), 16000)
+    path = tmp_path / "second.wav"
+    path.write_bytes(second)
+    messages = [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(first).decode(), "format": "wav"}},
+        {"type": "audio_url", "audio_url": {"url": str(path)}},
+        {"type": "text", "text": "Compare them."},
+    ]}]  # fmt: skip
+    hf_messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "audio"},
+                                                {"type": "text", "text": "Compare them."}]}]  # fmt: skip
+    text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    audios = [decode_audio(first, 16000), decode_audio(second, 16000)]
+    inputs = processor(text=text, audio=audios, sampling_rate=16000, return_tensors="pt")
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="4MiB")
+    (output,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert output.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_bad_audio_in_a_chat_is_a_clear_error_and_the_engine_goes_on(qwen2_audio):
+    import base64
+
+    from tessera.errors import InputError
+
+    folder = qwen2_audio[0]
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="4MiB")
+    bad = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": base64.b64encode(b"RIFF but not really a wave file").decode(), "format": "wav"}}]}]  # fmt: skip
+    with pytest.raises(InputError, match="audio could not be decoded|no audio track"):
+        llm.chat(bad, GREEDY, use_tqdm=False)
+    part = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "xyz"}}
+    wrong_format = [{"role": "user", "content": [part]}]
+    with pytest.raises(InputError, match="format must be one of"):
+        llm.chat(wrong_format, GREEDY, use_tqdm=False)
+    assert tokens(llm, [TEXT])  # the engine still answers

@@ -140,8 +140,10 @@ def test_a_text_longer_than_the_context_is_refused_before_tokenizing(server, ref
 @pytest.mark.parametrize(
     "content, fragment",
     [({"text": "hi"}, "content must be a string or a list"), (42, "content must be a string or a list"),
-     ([42], "content[0] must be"), ([{"type": "audio_url"}], "unsupported content part type"),
-     ([{"type": "video_url"}], "video_url content part needs")],
+     ([42], "content[0] must be"), ([{"type": "file"}], "unsupported content part type"),
+     ([{"type": "video_url"}], "video_url content part needs"),
+     ([{"type": "audio_url"}], "audio_url content part needs"),
+     ([{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}], "Audio input")],
 )  # fmt: skip
 def test_malformed_content_is_400(server, content, fragment):
     assert_json_error(chat(server[0], [{"role": "user", "content": content}]), 400, fragment)
