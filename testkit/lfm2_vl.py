@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from tokenizers import AddedToken
 from transformers import Lfm2VlConfig, Lfm2VlForConditionalGeneration, Lfm2VlImageProcessor, Lfm2VlProcessor
 
+from .checkpoints import save_widened_random_weights
 from .tokenizer import CHATML_TEMPLATE, build_tokenizer
 
 MAX_TILES = 4
@@ -47,16 +47,7 @@ def build_tiny_lfm2_vl(folder, *, seed: int = 0) -> Path:
         downsample_factor=2, tie_word_embeddings=True,
     )  # fmt: skip
     folder = Path(folder)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Lfm2VlForConditionalGeneration(config)
-        with torch.no_grad():  # HF's init leaves small weights; widen them so outputs depend on the inputs
-            for name, param in model.named_parameters():
-                if param.ndim >= 2 and "norm" not in name:
-                    param.normal_(0, 0.2)
-                elif param.ndim == 1:
-                    param.add_(torch.randn_like(param) * 0.1)
-        model.save_pretrained(folder, safe_serialization=True)
+    save_widened_random_weights(Lfm2VlForConditionalGeneration, config, folder, seed)
     processor = Lfm2VlProcessor(
         image_processor=Lfm2VlImageProcessor(**IMAGE_PROCESSING), tokenizer=tokenizer, chat_template=CHATML_TEMPLATE
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 from tokenizers import AddedToken
 from transformers import (
     Qwen2AudioConfig,
@@ -20,6 +19,7 @@ from transformers import (
     WhisperFeatureExtractor,
 )
 
+from .checkpoints import save_widened_random_weights
 from .tokenizer import build_tokenizer
 
 SAMPLING_RATE, CHUNK_SECONDS, MEL_BINS = 16000, 2, 16
@@ -43,16 +43,7 @@ def build_tiny_qwen2_audio(folder, *, seed: int = 0) -> Path:
     )  # fmt: skip
     config = Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_index=ids["<|AUDIO|>"])
     folder = Path(folder)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2AudioForConditionalGeneration(config)
-        with torch.no_grad():  # HF's init leaves small weights; widen them so outputs depend on the inputs
-            for name, param in model.named_parameters():
-                if param.ndim >= 2 and "norm" not in name:
-                    param.normal_(0, 0.2)
-                elif param.ndim == 1:
-                    param.add_(torch.randn_like(param) * 0.1)
-        model.save_pretrained(folder, safe_serialization=True)
+    save_widened_random_weights(Qwen2AudioForConditionalGeneration, config, folder, seed)
     extractor = WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLING_RATE, chunk_length=CHUNK_SECONDS)
     Qwen2AudioProcessor(feature_extractor=extractor, tokenizer=tokenizer).save_pretrained(folder)
     return folder
