@@ -1,4 +1,4 @@
-"""Images and videos for the server, loaded without blocking its event loop or the engine.
+"""Images, videos and audio for the server, loaded without blocking its event loop or the engine.
 
 Downloads wait on the network, so they get a pool of their own with a fixed number of slots: a
 request that finds every slot taken is told to retry (503) instead of queueing behind slow
@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from ...errors import ServerBusyError
+from ...multimodal.audio import decode_audio_native
 from ...multimodal.media import (
     MediaPolicy,
     decode_image,
@@ -35,9 +36,9 @@ class AsyncMediaLoader:
         self._decode_pool = ThreadPoolExecutor(decode_workers, thread_name_prefix="tessera-decode")
 
     async def load(self, url: str, kind: str = "image", video_options: Optional[dict[str, Any]] = None) -> Any:
-        """The image (kind="video": the video's sampled frames, a VideoFrames, sampled as
-        `video_options` say: num_frames, fps) at `url` (data URL, allowed local file, or http(s)
-        under the policy)."""
+        """The image (kind="video": the video's sampled frames, a VideoFrames, sampled as `video_options`
+        say: num_frames, fps; kind="audio": (waveform, sampling rate)) at `url` (data URL, allowed local
+        file, or http(s) under the policy)."""
         loop = asyncio.get_running_loop()
         if is_http_url(url):
             if not self._fetch_slots.acquire(blocking=False):
@@ -50,6 +51,8 @@ class AsyncMediaLoader:
         if kind == "video":
             decode = functools.partial(decode_video, data, self.policy, **(video_options or {}))
             return await loop.run_in_executor(self._decode_pool, decode)
+        if kind == "audio":  # (waveform, its rate): the model's processing resamples it
+            return await loop.run_in_executor(self._decode_pool, decode_audio_native, data)
         return await loop.run_in_executor(self._decode_pool, decode_image, data, self.policy)
 
     def _fetch(self, url: str, kind: str = "image") -> bytes:

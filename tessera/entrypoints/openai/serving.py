@@ -69,10 +69,11 @@ class OpenAIServing:
         # video for a model without video or too many images is refused before anything is
         # fetched or decoded.
         video_check = self.preprocessor.video_loader(lambda url: url)
+        audio_check = self.preprocessor.audio_loader(lambda url: url)
         hf_messages, media, _ = parse_chat_media(
-            messages, lambda url: url, self.preprocessor.image_text, load_video=video_check
+            messages, lambda url: url, self.preprocessor.image_text, load_video=video_check, load_audio=audio_check
         )
-        urls, video_urls = media["image"], media["video"]
+        urls, video_urls, audio_urls = media["image"], media["video"], media["audio"]
         if any(not isinstance(url, str) for url in urls):
             raise InputError("Unsupported content part type 'image_pil'; send images as image_url parts.")
         self._check_image_count(len(urls))
@@ -80,16 +81,18 @@ class OpenAIServing:
         chars = sum(len(p["text"]) for m in hf_messages for p in _parts(m["content"]) if p["type"] == "text")
         check_text_length(chars, self.preprocessor.max_prompt_chars)  # before rendering megabytes
         results = await asyncio.gather(
-            self.media.load_all(urls), self.media.load_all(video_urls, "video", video_options), return_exceptions=True
-        )  # both settled: no load left running behind a failure
+            self.media.load_all(urls), self.media.load_all(video_urls, "video", video_options),
+            self.media.load_all(audio_urls, "audio"), return_exceptions=True,
+        )  # all settled: no load left running behind a failure  # fmt: skip
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        images, videos = results
-        loaded, loaded_videos = iter(images), iter(videos)
+        images, videos, audios = results
+        loaded, loaded_videos, loaded_audios = iter(images), iter(videos), iter(audios)
         render = functools.partial(
             self.preprocessor.render_chat, add_generation_prompt=add_generation_prompt,
             content_format=self.content_format, load_video=lambda url: next(loaded_videos), tools=tools,
+            load_audio=lambda url: next(loaded_audios),
         )  # fmt: skip
         return await asyncio.to_thread(render, messages, lambda url: next(loaded))  # the media, in order
 
