@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 from tokenizers import AddedToken
 from transformers import (
     Qwen2AudioConfig,
@@ -19,6 +18,7 @@ from transformers import (
     WhisperFeatureExtractor,
 )
 
+from .audio import random_audio  # noqa: F401  (the tests' audio, with the model)
 from .checkpoints import save_widened_random_weights
 from .tokenizer import build_tokenizer
 
@@ -47,12 +47,3 @@ def build_tiny_qwen2_audio(folder, *, seed: int = 0) -> Path:
     extractor = WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLING_RATE, chunk_length=CHUNK_SECONDS)
     Qwen2AudioProcessor(feature_extractor=extractor, tokenizer=tokenizer).save_pretrained(folder)
     return folder
-
-
-def random_audio(seconds: float, *, seed: int = 0, rate: int = SAMPLING_RATE) -> np.ndarray:
-    """Seeded noise and a tone, mono float32 at `rate`."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * rate)) / rate
-    return (0.3 * np.sin(2 * np.pi * rng.uniform(100, 1000) * t) + 0.05 * rng.standard_normal(t.size)).astype(
-        np.float32
-    )

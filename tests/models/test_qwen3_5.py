@@ -143,8 +143,11 @@ def test_greedy_tokens_match_hf_alone_and_batched(qwen3_5, clip, options):
         # 2 full-attention layers x K and V x 2 heads x 16 dims x 4 bytes = 512 bytes a token; besides the
         # DeltaNet states of 4 sequences, 30 blocks of 4: the mixed prompt (94 tokens, 24 blocks) and the text
         # one (24 tokens, 6 blocks) start together, and the mixed one needs a 25th block two tokens later
-        "preemption": {"kv_cache_memory": 30 * 4 * 512 + 4 * slot_bytes(folder), "max_num_seqs": 4,
-                       "enable_prefix_caching": False},
+        "preemption": {
+            "kv_cache_memory": 30 * 4 * 512 + 4 * SLOT_BYTES,
+            "max_num_seqs": 4,
+            "enable_prefix_caching": False,
+        },
     }[options]
     llm = LLM(str(folder), device="cpu", block_size=4, **{"kv_cache_memory": "4MiB", **kwargs})
     assert [tokens(llm, [r])[0] for r in requests(clip)] == expected
@@ -157,9 +160,8 @@ def test_greedy_tokens_match_hf_alone_and_batched(qwen3_5, clip, options):
     assert stats["state_slots_used"] == 0  # every sequence's slot returned
 
 
-def slot_bytes(folder) -> int:
-    """A sequence's DeltaNet states in the tiny model: 2 layers x (conv [2*16 + 32, 3] + recurrent [4, 8, 8]) fp32."""
-    return 2 * (64 * 3 + 4 * 8 * 8) * 4
+# A sequence's DeltaNet states in the tiny model: 2 layers x (conv [2*16 + 32, 3] + recurrent [4, 8, 8]) fp32.
+SLOT_BYTES = 2 * (64 * 3 + 4 * 8 * 8) * 4
 
 
 def tokens(llm, prompts):
@@ -169,7 +171,7 @@ def tokens(llm, prompts):
 def test_the_states_come_from_the_kv_budget(qwen3_5):
     """At most half of kv_cache_memory, a third of that for prefix snapshots; the blocks get the rest."""
     folder, _, _, _ = qwen3_5
-    budget, row = 4 * 2**20, slot_bytes(folder)
+    budget, row = 4 * 2**20, SLOT_BYTES
     llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory=budget, max_num_seqs=8)
     core = llm.engine.core
     states = core.block_manager.states

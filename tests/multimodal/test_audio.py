@@ -3,10 +3,8 @@ with a clear error."""
 
 from __future__ import annotations
 
-import io
 import math
 import struct
-import wave
 
 import numpy as np
 import pytest
@@ -14,22 +12,12 @@ import pytest
 from tessera.errors import InputError
 from tessera.multimodal.audio import as_waveform, decode_audio, resample
 from tessera.multimodal.parse import AudioProcessorItems, MultiModalDataParser
+from testkit.audio import wav_bytes
 
 
 def tone(seconds: float, rate: int, hz: float = 440.0) -> np.ndarray:
     t = np.arange(int(seconds * rate)) / rate
     return (0.5 * np.sin(2 * math.pi * hz * t)).astype(np.float32)
-
-
-def wav_bytes(samples: np.ndarray, rate: int, channels: int = 1) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(channels)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        pcm = np.repeat((samples * 32767).astype("<i2")[:, None], channels, axis=1)
-        out.writeframes(pcm.tobytes())
-    return buffer.getvalue()
 
 
 def test_a_wav_file_decodes_to_its_samples_at_the_models_rate():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import io
 import struct
-import wave
 
 import av
 import httpx
@@ -18,19 +17,10 @@ from tessera import LLM, SamplingParams
 from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
-from testkit.qwen2_audio import build_tiny_qwen2_audio, random_audio
+from testkit.audio import random_audio, wav_bytes
+from testkit.qwen2_audio import build_tiny_qwen2_audio
 
 OPTIONS = {"kv_cache_memory": "4MiB"}
-
-
-def wav(samples: np.ndarray, rate: int = 16000) -> bytes:
-    buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes((samples * 32767).astype("<i2").tobytes())
-    return buffer.getvalue()
 
 
 def mp3(samples: np.ndarray, rate: int = 16000) -> bytes:
@@ -67,7 +57,7 @@ def audio_server(tmp_path_factory):
 def test_input_audio_through_the_openai_client_answers_as_offline(audio_server, fmt):
     url, offline = audio_server
     samples = random_audio(1.2, seed=8)
-    data = wav(samples) if fmt == "wav" else mp3(samples)
+    data = wav_bytes(samples) if fmt == "wav" else mp3(samples)
     messages = audio_message(data, fmt)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     reply = client.chat.completions.create(
@@ -79,12 +69,12 @@ def test_input_audio_through_the_openai_client_answers_as_offline(audio_server, 
 
 
 def hostile_files() -> dict[str, bytes]:
-    header_claims_hours = bytearray(wav(random_audio(0.2, seed=1)))
+    header_claims_hours = bytearray(wav_bytes(random_audio(0.2, seed=1)))
     header_claims_hours[40:44] = struct.pack("<I", 0x7FFFFFF0)
-    zero_rate = bytearray(wav(random_audio(0.2, seed=1)))
+    zero_rate = bytearray(wav_bytes(random_audio(0.2, seed=1)))
     zero_rate[24:28] = struct.pack("<I", 0)  # the fmt chunk's sample rate
     return {
-        "truncated": wav(random_audio(0.5, seed=1))[:30],
+        "truncated": wav_bytes(random_audio(0.5, seed=1))[:30],
         "zero-hz": bytes(zero_rate),
         "not-audio": b"\x89PNG\r\n\x1a\n" + bytes(64),
         "header-claims-hours": bytes(header_claims_hours),

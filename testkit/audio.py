@@ -1,0 +1,28 @@
+"""Audio for tests: seeded waveforms and the files users send (WAV written with the standard library)."""
+
+from __future__ import annotations
+
+import io
+import wave
+
+import numpy as np
+
+
+def random_audio(seconds: float, *, seed: int = 0, rate: int = 16000) -> np.ndarray:
+    """Seeded noise and a tone, mono float32 at `rate`."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    tone = 0.3 * np.sin(2 * np.pi * rng.uniform(100, 1000) * t)
+    return (tone + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def wav_bytes(samples: np.ndarray, rate: int = 16000, channels: int = 1) -> bytes:
+    """16-bit PCM WAV of mono `samples` in [-1, 1], repeated on each of `channels`."""
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(channels)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        pcm = np.repeat((samples * 32767).astype("<i2")[:, None], channels, axis=1)
+        out.writeframes(pcm.tobytes())
+    return buffer.getvalue()
