@@ -90,6 +90,22 @@ class MultiModalConfig:
         return self.limit_per_prompt.get(modality)
 
 
+@dataclass(frozen=True)
+class SpeechToTextConfig:
+    """How a recording is cut for a speech-to-text model (vLLM's): the rate it hears, the longest window it
+    takes in one prompt (None: any length), and where a longer recording is split: at the quietest
+    `min_energy_split_window_size` samples within the last `overlap_chunk_second` seconds before each limit."""
+
+    sample_rate: int = 16_000
+    max_audio_clip_s: Optional[float] = 30.0
+    overlap_chunk_second: float = 1.0
+    min_energy_split_window_size: Optional[int] = 1600
+
+    @property
+    def allow_audio_chunking(self) -> bool:
+        return self.min_energy_split_window_size is not None and self.max_audio_clip_s is not None
+
+
 @dataclass
 class ModelConfig:
     model: str

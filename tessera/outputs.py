@@ -67,3 +67,27 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+
+@dataclass
+class TranscriptionSegment:
+    """One window of a recording and its transcript."""
+
+    start: float
+    end: float
+    """Seconds from the start of the recording."""
+    text: str
+    token_ids: list[int]
+    avg_logprob: Optional[float] = None
+    """Mean log-probability of the tokens (None unless their logprobs were asked for)."""
+
+
+@dataclass
+class TranscriptionOutput:
+    text: str
+    """The whole transcript: the windows' texts joined by spaces."""
+    duration: float
+    """Seconds of audio."""
+    language: Optional[str]
+    """The ISO 639-1 code asked for, if one was."""
+    segments: list[TranscriptionSegment]

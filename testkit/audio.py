@@ -1,10 +1,12 @@
-"""Audio for tests: seeded waveforms and the files users send (WAV written with the standard library)."""
+"""Audio for tests: seeded waveforms and the files users send (WAV written with the standard library, MP3 with
+PyAV)."""
 
 from __future__ import annotations
 
 import io
 import wave
 
+import av
 import numpy as np
 
 
@@ -25,4 +27,18 @@ def wav_bytes(samples: np.ndarray, rate: int = 16000, channels: int = 1) -> byte
         out.setframerate(rate)
         pcm = np.repeat((samples * 32767).astype("<i2")[:, None], channels, axis=1)
         out.writeframes(pcm.tobytes())
+    return buffer.getvalue()
+
+
+def mp3_bytes(samples: np.ndarray, rate: int = 16000) -> bytes:
+    """The samples encoded as MP3 with PyAV (libmp3lame), as a user's file would be."""
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp3") as container:
+        stream = container.add_stream("mp3", rate=rate)
+        frame = av.AudioFrame.from_ndarray(samples[None].astype(np.float32), format="flt", layout="mono")
+        frame.sample_rate = rate
+        for packet in stream.encode(frame):
+            container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
     return buffer.getvalue()

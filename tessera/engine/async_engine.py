@@ -110,6 +110,11 @@ class AsyncEngine:
         return self.engine.input_preprocessor.chat_template
 
     @property
+    def transcriber(self) -> Any:
+        """Turns recordings into transcription prompts (the engine's Transcriber)."""
+        return self.engine.transcriber
+
+    @property
     def model_config(self) -> Any:
         return self.engine.model_config
 

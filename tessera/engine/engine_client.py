@@ -11,12 +11,14 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .input_preprocessor import InputPreprocessor
 from .prompt import PromptInputs
+from .transcription import Transcriber
 
 
 class EngineClient(Protocol):
     tokenizer: Any
     preprocessor: InputPreprocessor  # renders chats and inline-image prompts
     chat_template: Optional[str]
+    transcriber: Transcriber  # recordings -> transcription prompts
     model_config: ModelConfig
     max_model_len: int
     dead: Optional[BaseException]

@@ -26,6 +26,7 @@ from .executor.local_core import start_core
 from .input_preprocessor import InputPreprocessor
 from .output_processor import OutputProcessor
 from .prompt import PromptInputs, PromptType
+from .transcription import Transcriber
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class LLMEngine:
         self.max_model_len = core.info.max_model_len
         self.structured_output = grammars  # checks output constraints at admission (compiled once, cached)
         self.input_preprocessor = _input_preprocessor(model_config, inputs, core.info.limits)
+        self.transcriber = Transcriber(self.input_preprocessor, inputs.model_cls)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod

@@ -12,8 +12,17 @@ from tqdm.auto import tqdm
 from ..engine.chat_utils import ContentFormat, Message
 from ..engine.llm_engine import LLMEngine
 from ..engine.prompt import PromptType
-from ..multimodal.media import LOCAL_FILES, check_media_io_kwargs, load_audio_url, load_image_url, load_video_url
-from ..outputs import RequestOutput
+from ..engine.transcription import transcription_output
+from ..multimodal.audio import as_waveform, decode_audio
+from ..multimodal.media import (
+    LOCAL_FILES,
+    check_media_io_kwargs,
+    load_audio_url,
+    load_image_url,
+    load_video_url,
+    read_media_bytes,
+)
+from ..outputs import RequestOutput, TranscriptionOutput
 from ..sampling_params import SamplingParams
 
 
@@ -168,3 +177,39 @@ class LLM:
             content_format=content_format, plain_fallback=plain_fallback, load_video=load_video, tools=tools,
             load_audio=load_audio,
         )  # fmt: skip
+
+    def transcribe(
+        self,
+        audio: Any,
+        sampling_params: Optional[SamplingParams] = None,
+        *,
+        language: Optional[str] = None,
+        prompt: str = "",
+        use_tqdm: bool = True,
+    ) -> list[TranscriptionOutput]:
+        """Transcripts of recordings, as `/v1/audio/transcriptions` makes them (engine/transcription.py). A
+        recording is a file path, a data URL, encoded bytes (WAV, FLAC, MP3, OGG, M4A), a mono waveform at the
+        model's rate or a (waveform, sampling_rate) pair; give one or a list. `language`: an ISO 639-1 code (or
+        name) the speech is in; `prompt`: text the transcript continues. Default sampling is greedy."""
+        transcriber = self.engine.transcriber
+        transcriber.check_available()
+        rate = transcriber.speech_config().sample_rate
+        items = audio if isinstance(audio, list) else [audio]
+        code = transcriber.language(language)
+        waveforms = [_waveform(item, rate, i) for i, item in enumerate(items)]
+        plans = [transcriber.windows(w, language=code, prompt=prompt) for w in waveforms]
+        prompts = [window.prompt for plan in plans for window in plan]
+        outputs = iter(self.generate(prompts, sampling_params or SamplingParams(temperature=0.0), use_tqdm=use_tqdm))
+        return [
+            transcription_output(plan, [next(outputs) for _ in plan], len(w) / rate, code)
+            for plan, w in zip(plans, waveforms)
+        ]
+
+
+def _waveform(item: Any, rate: int, index: int) -> Any:
+    """A recording given to `LLM.transcribe` as a mono float32 waveform at `rate`."""
+    if isinstance(item, str):
+        item = read_media_bytes(item, LOCAL_FILES, kind="audio")
+    if isinstance(item, (bytes, bytearray)):
+        return decode_audio(bytes(item), rate)
+    return as_waveform(item, rate, index)

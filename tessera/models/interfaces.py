@@ -5,12 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, Optional, Union
 
+import numpy as np
 import torch
 from torch import nn
 
+from ..config import ModelConfig, SpeechToTextConfig
 from .utils import MultiModalEmbeddings, merge_multimodal_embeddings, merge_multimodal_embeddings_by_mask
 
-__all__ = ["MultiModalEmbeddings", "SupportsMRoPE", "SupportsMultiModal", "supports_mrope", "supports_multimodal"]
+__all__ = [
+    "MultiModalEmbeddings", "SupportsMRoPE", "SupportsMultiModal", "SupportsTranscription", "supports_mrope",
+    "supports_multimodal", "supports_transcription",
+]  # fmt: skip
 
 
 class SupportsMultiModal:
@@ -95,3 +100,46 @@ class SupportsMRoPE:
 
 def supports_mrope(model: Union[type, object]) -> bool:
     return getattr(model, "supports_mrope", False) is True
+
+
+class SupportsTranscription:
+    """A speech-to-text model with a prompt format of its own, as vLLM's interface: `/v1/audio/transcriptions`
+    and `LLM.transcribe` ask it for each window's prompt. (An audio model without it transcribes through its
+    chat template: engine/transcription.py.)"""
+
+    supports_transcription: ClassVar[Literal[True]] = True
+    supports_transcription_only: ClassVar[bool] = False
+    supported_languages: ClassVar[Mapping[str, str]] = {}
+    """ISO 639-1 code -> language name of the languages it transcribes; empty: it does not say."""
+
+    @classmethod
+    def get_speech_to_text_config(cls, model_config: ModelConfig, task_type: str) -> SpeechToTextConfig:
+        return SpeechToTextConfig()
+
+    @classmethod
+    def get_generation_prompt(
+        cls,
+        audio: np.ndarray,
+        stt_config: SpeechToTextConfig,
+        model_config: ModelConfig,
+        language: Optional[str],
+        task_type: Literal["transcribe", "translate"],
+        request_prompt: str,
+        to_language: Optional[str],
+    ) -> Any:
+        """The engine prompt (a dict with "multi_modal_data": {"audio": ...}) for one window `audio` (mono
+        float32 at `stt_config.sample_rate`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def validate_language(cls, language: Optional[str]) -> Optional[str]:
+        """`language` if the model transcribes it (None: the model finds out), else a ValueError naming the
+        languages it knows."""
+        if language is None or not cls.supported_languages or language in cls.supported_languages:
+            return language
+        known = ", ".join(sorted(cls.supported_languages))
+        raise ValueError(f"This model does not transcribe language {language!r}; it knows {known}.")
+
+
+def supports_transcription(model: Union[type, object]) -> bool:
+    return getattr(model, "supports_transcription", False) is True

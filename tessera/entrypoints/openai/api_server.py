@@ -19,7 +19,7 @@ from typing import Any, Optional, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -34,6 +34,7 @@ from .media_loader import AsyncMediaLoader
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, UnsupportedParameter, error_body
 from .serving import OpenAIServing
+from .serving_transcription import OpenAIServingTranscription, transcription_request
 from .tool_parsers import default_tool_parser, get_tool_parser
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ def build_app(
         parser = default_tool_parser(engine.chat_template)
     serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format,
                             media_io_kwargs, tool_parser=parser)  # fmt: skip
+    transcriptions = OpenAIServingTranscription(engine, metrics, model_name, media)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     model_path = str(engine.model_config.model)
 
@@ -158,6 +160,8 @@ def build_app(
             return Response(status_code=499)  # nobody reads this
         if isinstance(result, dict):
             return JSONResponse(result)
+        if isinstance(result, str):
+            return PlainTextResponse(result)
         return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
@@ -169,6 +173,14 @@ def build_app(
     async def completions(request: CompletionRequest, raw: Request) -> Response:
         check_model(request.model)
         return await respond(raw, serving.completion(request))
+
+    @app.post("/v1/audio/transcriptions")
+    async def audio_transcriptions(raw: Request) -> Response:
+        async with raw.form(max_files=1, max_fields=64) as form:
+            request, upload = transcription_request(form)
+            check_model(request.model)
+            data = await upload.read()
+        return await respond(raw, transcriptions.transcribe(request, data))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest, raw: Request) -> Response:

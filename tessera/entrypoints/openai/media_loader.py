@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from ...errors import ServerBusyError
-from ...multimodal.audio import decode_audio_native
+from ...multimodal.audio import decode_audio, decode_audio_native
 from ...multimodal.media import (
     MediaPolicy,
     decode_image,
@@ -54,6 +54,10 @@ class AsyncMediaLoader:
         if kind == "audio":  # (waveform, its rate): the model's processing resamples it
             return await loop.run_in_executor(self._decode_pool, decode_audio_native, data)
         return await loop.run_in_executor(self._decode_pool, decode_image, data, self.policy)
+
+    async def decode_audio(self, data: bytes, rate: int) -> Any:
+        """An uploaded recording as a mono float32 waveform at `rate`, decoded on the decode pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._decode_pool, decode_audio, data, rate)
 
     def _fetch(self, url: str, kind: str = "image") -> bytes:
         try:

@@ -7,7 +7,7 @@ that only label the request for the caller's own bookkeeping (`user`, `metadata`
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -164,6 +164,45 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError('Send exactly one of "prompt" and "messages".')
         return self
+
+
+class TranscriptionRequest(BaseModel):
+    """The fields of OpenAI's multipart transcription form (the file aside), and vLLM's sampling extras."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    language: Optional[str] = None  # ISO 639-1 (or the language's English name)
+    prompt: str = ""  # text the transcript continues
+    response_format: Literal["json", "text", "verbose_json", "srt", "vtt"] = "json"
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    timestamp_granularities: list[Literal["segment"]] = []  # segments are the windows the model heard
+    include: list[Literal["logprobs"]] = []
+    stream: bool = False
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = _SEED
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)  # per window; None: up to the context
+    user: Optional[str] = None  # a label
+
+    @model_validator(mode="after")
+    def _check(self) -> "TranscriptionRequest":
+        if self.timestamp_granularities and self.response_format != "verbose_json":
+            raise UnsupportedParameter(
+                "timestamp_granularities", 'timestamp_granularities needs response_format "verbose_json".'
+            )
+        if self.stream and self.response_format not in ("json", "text"):
+            raise UnsupportedParameter("stream", 'stream needs response_format "json" or "text".')
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        logprobs = self.response_format == "verbose_json" or "logprobs" in self.include
+        return SamplingParams(
+            max_tokens=self.max_completion_tokens, temperature=self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k if self.top_k is not None else -1,
+            min_p=self.min_p or 0.0, seed=self.seed, logprobs=0 if logprobs else None,
+        )  # fmt: skip
 
 
 class UnsupportedParameter(ValueError):
