@@ -370,21 +370,25 @@ def render_plain(
     *,
     load_video: VideoLoader = no_video,
     video_placeholder: Optional[Placeholder] = None,
+    load_audio: AudioLoader = no_audio,
+    audio_placeholder: Optional[Placeholder] = None,
 ) -> dict:
-    """For a model without a chat template (e.g. Fuyu, or a text model given eyes by a plugin): the last
-    message as it is, its text parts joined by spaces after its images' and videos' placeholders."""
+    """For a model without a chat template (e.g. Fuyu, a base audio model, or a text model given eyes by a plugin):
+    the last message as it is, its text parts joined by spaces after its media's placeholders."""
     parts = messages[-1]["content"]
     if isinstance(parts, str):
         parts = [{"type": "text", "text": parts}]
     text = " ".join(p["text"] for p in parts if p["type"] == "text")
-    media: dict[str, list[Any]] = {"image": [], "video": []}
+    kinds = {"image_url": ("image", placeholder), "video_url": ("video", video_placeholder),
+             "audio_url": ("audio", audio_placeholder), "input_audio": ("audio", audio_placeholder)}  # fmt: skip
+    urls: dict[str, list[str]] = {"image": [], "video": [], "audio": []}
     prefix = ""
     for part in parts:
-        if part["type"] == "image_url":
-            prefix += (placeholder(len(media["image"])) if placeholder else None) or ""
-            media["image"].append(media_url_of(part, "image"))
-        elif part["type"] == "video_url":
-            prefix += (video_placeholder(len(media["video"])) if video_placeholder else None) or ""
-            media["video"].append(media_url_of(part, "video"))
-    media = {"image": [load_image(url) for url in media["image"]], "video": [load_video(url) for url in media["video"]]}
-    return with_media(prefix + text, media)
+        if part["type"] not in kinds:
+            continue
+        kind, text_of = kinds[part["type"]]
+        prefix += (text_of(len(urls[kind])) if text_of else None) or ""
+        where = "the last message"
+        urls[kind].append(audio_data_url(part, where) if part["type"] == "input_audio" else media_url_of(part, kind))
+    loaders = {"image": load_image, "video": load_video, "audio": load_audio}
+    return with_media(prefix + text, {kind: [loaders[kind](url) for url in found] for kind, found in urls.items()})

@@ -90,7 +90,8 @@ class InputPreprocessor:
         video = self.video_loader(load_video)
         if template is None and plain_fallback:
             return render_plain(messages, load_image, self.placeholder, load_video=video,
-                                video_placeholder=self.video_placeholder)  # fmt: skip
+                                video_placeholder=self.video_placeholder, load_audio=self.audio_loader(load_audio),
+                                audio_placeholder=self.audio_placeholder)  # fmt: skip
         return render_chat(self.renderer, template, messages, load_image, add_generation_prompt, self.image_text,
                            content_format=content_format, placeholder=self.placeholder, load_video=video,
                            video_placeholder=self.video_placeholder, tools=tools,

@@ -1,8 +1,10 @@
-"""The `tessera` command: ask a model about images and videos from the shell, or chat with it.
+"""The `tessera` command: ask a model about images, videos and audio from the shell, or chat with it.
 
 tessera generate "What colour is the circle?" --image photo.png
 tessera generate "What happens?" --video clip.mp4 --media-io-kwargs '{"video": {"num_frames": 8}}'
-tessera chat --model path/to/model  (then /image PATH or /video PATH attaches media to the next message)
+tessera generate "What is said?" --audio note.mp3 --model path/to/audio-model
+tessera transcribe note.mp3 --model path/to/audio-model
+tessera chat --model path/to/model  (then /image, /video or /audio PATH attaches media to the next message)
 tessera chat path/to/model.gguf
 tessera bench serve --base-url http://127.0.0.1:8000 --dataset random-mm --num-prompts 100 --max-concurrency 8
 """
@@ -19,7 +21,14 @@ from typing import Any, Optional, TextIO
 
 from ..config import AUTO_QUANTIZATION, DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_METHODS
 from ..gguf_file import find_gguf_file
-from ..multimodal.media import LOCAL_FILES, MediaPolicy, check_media_io_kwargs, load_image_url, load_video_url
+from ..multimodal.media import (
+    LOCAL_FILES,
+    MediaPolicy,
+    check_media_io_kwargs,
+    load_audio_url,
+    load_image_url,
+    load_video_url,
+)
 from ..plugins import add_plugin_cli_arguments, plugin_options_from_cli
 from ..sampling_params import SamplingParams
 from . import bench_serve as bench_serve_module
@@ -35,12 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--image", action="append", default=[], metavar="PATH", help="an image (repeatable)")
     generate.add_argument("--video", action="append", default=[], metavar="PATH",
                           help="a video, after the images (repeatable)")  # fmt: skip
+    generate.add_argument("--audio", action="append", default=[], metavar="PATH",
+                          help="a recording (WAV, FLAC, MP3, OGG, M4A), after the videos (repeatable)")  # fmt: skip
     _common_options(generate)
 
-    chat = commands.add_parser("chat", help="chat in the terminal",
-                               description="Chat with the model. Commands: /image PATH attaches an image and "
-                               "/video PATH a video (sampled as --media-io-kwargs say) to the next message, in the "
-                               "order given; /reset clears the history, /exit quits.")  # fmt: skip
+    transcribe = commands.add_parser("transcribe", help="print what a recording says",
+                                     description="Transcribe recordings with an audio model, as "
+                                     "/v1/audio/transcriptions does.")  # fmt: skip
+    transcribe.add_argument("audio", nargs="+", metavar="PATH", help="a recording (WAV, FLAC, MP3, OGG, M4A)")
+    transcribe.add_argument("--language", default=None, help="what the speech is in: an ISO 639-1 code or a name")
+    transcribe.add_argument("--prompt", default="", help="text the transcript continues")
+    _common_options(transcribe)
+
+    chat_help = ("Chat with the model. Commands: /image PATH attaches an image, /video PATH a video (sampled as "
+                 "--media-io-kwargs say) and /audio PATH a recording to the next message, in the order given; "
+                 "/reset clears the history, /exit quits.")  # fmt: skip
+    chat = commands.add_parser("chat", help="chat in the terminal", description=chat_help)
     _model_argument(chat)
     _common_options(chat)
 
@@ -200,10 +219,18 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
         if args.command == "generate":  # refuse a missing file before loading the model
-            messages = [_user_message(args.prompt, args.image, args.video)]
+            messages = [_user_message(args.prompt, args.image, args.video, args.audio)]
+        if args.command == "transcribe":
+            missing = [path for path in args.audio if not Path(path).is_file()]
+            if missing:
+                raise ValueError(f"Audio file {missing[0]} does not exist.")
         llm = _load(_model_of(args), stdout, {**plugin_options_from_cli(args), **_mm_kwargs(args)})
         if args.command == "generate":
             _stream_answer(llm, messages, params, stdout, args.media_io_kwargs)
+        elif args.command == "transcribe":
+            for result in llm.transcribe(args.audio, params, language=args.language, prompt=args.prompt,
+                                         use_tqdm=False):  # fmt: skip
+                stdout.write(result.text + "\n")
         else:
             _chat(llm, params, stdin, stdout, args.media_io_kwargs)
     except (ValueError, OSError) as e:  # the user's input: one clear line, no traceback
@@ -270,12 +297,13 @@ def _load(model: Optional[str], out: TextIO, options: Optional[dict] = None) -> 
     return llm
 
 
-def _user_message(text: str, images: Sequence[str], videos: Sequence[str] = ()) -> dict:
-    return _message_with_media(text, [("image", p) for p in images] + [("video", p) for p in videos])
+def _user_message(text: str, images: Sequence[str], videos: Sequence[str] = (), audios: Sequence[str] = ()) -> dict:
+    media = [("image", p) for p in images] + [("video", p) for p in videos] + [("audio", p) for p in audios]
+    return _message_with_media(text, media)
 
 
 def _message_with_media(text: str, media: Sequence[tuple[str, str]]) -> dict:
-    """A user message of the ("image" | "video", path) media in the order given, then the text."""
+    """A user message of the ("image" | "video" | "audio", path) media in the order given, then the text."""
     parts: list[dict] = []
     for kind, path in media:
         if not Path(path).is_file():
@@ -315,21 +343,23 @@ def _stream_answer(
 
 
 def _check_media_file(kind: str, path: str, media_io_kwargs: Optional[dict]) -> None:
-    """Load the image or video at `path` as the turn will (videos sampled as `media_io_kwargs` say),
-    so that a bad file is refused when attached, not mid-turn. ValueError (InputError) if it fails."""
+    """Load the image, video or recording at `path` as the turn will (videos sampled as `media_io_kwargs`
+    say), so that a bad file is refused when attached, not mid-turn. ValueError (InputError) if it fails."""
     url = str(Path(path).resolve())
     if kind == "image":
         load_image_url(url, LOCAL_FILES)
+    elif kind == "audio":
+        load_audio_url(url, LOCAL_FILES)
     else:
         load_video_url(url, LOCAL_FILES, **(media_io_kwargs or {}).get("video", {}))
 
 
 def _chat(llm: Any, params: SamplingParams, stdin: TextIO, out: TextIO, media_io_kwargs: Optional[dict] = None) -> None:
     history: list[dict] = []
-    attached: list[tuple[str, str]] = []  # ("image" | "video", path) for the next message, in order
+    attached: list[tuple[str, str]] = []  # ("image" | "video" | "audio", path) for the next message, in order
     out.write(
-        "Chat with the model. /image PATH attaches an image, /video PATH a video, /reset clears the history, "
-        "/exit quits.\n"
+        "Chat with the model. /image PATH attaches an image, /video PATH a video, /audio PATH a recording, "
+        "/reset clears the history, /exit quits.\n"
     )
     while True:
         out.write("> ")
@@ -345,7 +375,7 @@ def _chat(llm: Any, params: SamplingParams, stdin: TextIO, out: TextIO, media_io
             out.write("(history cleared)\n")
             continue
         command = line.split(maxsplit=1)[0]
-        if command in ("/image", "/video"):
+        if command in ("/image", "/video", "/audio"):
             kind, path = command[1:], line[len(command) :].strip()
             if not path:
                 out.write(f"(usage: {command} PATH)\n")

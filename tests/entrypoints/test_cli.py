@@ -128,7 +128,7 @@ def test_chat_survives_a_bad_image_and_a_failed_turn(tiny_llava_dir, image_file,
     assert answers[0] == answers[1] == reference[1].lstrip()
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["serve"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["chat"], ["serve"], ["transcribe"]])
 def test_every_command_has_help(command):
     result = subprocess.run([sys.executable, "-m", "tessera.entrypoints.cli", *command, "--help"],
                             capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -319,3 +319,45 @@ def test_hf_overrides_flag_reaches_the_engine(tiny_llava_dir, monkeypatch, capsy
     assert code == 1 and f"layers.{layers}." in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run(["generate", "Hi", "--model", str(tiny_llava_dir), "--hf-overrides", "{not json"])
+
+
+# ---- audio -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def audio_setup(tmp_path_factory):
+    """(tiny Qwen2-Audio folder, a WAV file, the offline answer about it, the offline transcript of it)."""
+    from testkit.audio import random_audio, wav_bytes
+    from testkit.qwen2_audio import build_tiny_qwen2_audio
+
+    folder = build_tiny_qwen2_audio(tmp_path_factory.mktemp("qwen2_audio"))
+    path = tmp_path_factory.mktemp("audio") / "note.wav"
+    path.write_bytes(wav_bytes(random_audio(3.0, seed=6)))
+    llm = LLM(str(folder), kv_cache_memory="8MiB")
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    message = {"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": str(path)}},
+                                           {"type": "text", "text": "What is said?"}]}  # fmt: skip
+    (answer,) = llm.chat([message], params, use_tqdm=False)
+    (transcript,) = llm.transcribe(str(path), params, use_tqdm=False)
+    return folder, path, answer.outputs[0].text, transcript.text
+
+
+def test_generate_and_chat_take_audio_and_transcribe_prints_the_transcript(audio_setup):
+    folder, path, answer, transcript = audio_setup
+    model = ["--model", str(folder), "--max-tokens", "6"]
+    assert run(["generate", "What is said?", "--audio", str(path), *model]) == (0, answer.lstrip() + "\n")
+    script = f"/audio {path}\nWhat is said?\n/audio /missing.wav\n/exit\n"
+    code, out = run(["chat", *model], stdin=script)
+    assert code == 0 and f"(attached {path})" in out and answer.lstrip() + "\n" in out
+    assert "(not attached: Audio file /missing.wav does not exist.)" in out
+    assert run(["transcribe", str(path), *model]) == (0, transcript + "\n")
+
+
+def test_transcribe_refuses_a_missing_file_and_a_model_without_audio(tiny_llava_dir, audio_setup, capsys):
+    _, path, _, _ = audio_setup
+    assert run(["transcribe", "/no/such.wav", "--model", str(tiny_llava_dir)])[0] == 1
+    assert "Audio file /no/such.wav does not exist" in capsys.readouterr().err
+    assert run(["generate", "Hi", "--audio", "/no/such.mp3", "--model", str(tiny_llava_dir)])[0] == 1
+    assert "Audio file /no/such.mp3 does not exist" in capsys.readouterr().err
+    assert run(["transcribe", str(path), "--model", str(tiny_llava_dir)])[0] == 1
+    assert "does not take audio, so it cannot transcribe" in capsys.readouterr().err
