@@ -1,21 +1,23 @@
 // Tessera's chat page: plain JS, no build step.
-// The history keeps every image as a base64 JPEG <img> tag and every video clip as a base64
-// <video> tag inside its message text (as the text-generation-webui does for images); when
-// sending, each message is split back into OpenAI content parts (image_url, video_url, text).
+// The history keeps every image as a base64 JPEG <img> tag, every video clip as a base64 <video> tag and
+// every recording as a base64 <audio> tag inside its message text (as the text-generation-webui does for
+// images); when sending, each message is split back into OpenAI content parts (image_url, video_url,
+// audio_url, text).
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const chatHistory = [];       // {role: "user" | "assistant", content: string with <img> / <video> tags}
-let pending = [];          // {kind: "image" | "video", src: data URL, name} attached to the next message
+const chatHistory = [];       // {role: "user" | "assistant", content: string with <img> / <video> / <audio> tags}
+let pending = [];          // {kind: "image" | "video" | "audio", src: data URL, name} attached to the next message
 let modelName = null;
 let busy = false;
 
-const MEDIA_TAG = /<(img|video)\s+src="(data:(image|video)\/[a-z0-9.+-]+;base64,[A-Za-z0-9+/=]+)"\s*\/?>/g;
+const MEDIA_TAG = /<(img|video|audio)\s+src="(data:(image|video|audio)\/[a-z0-9.+-]+;base64,[A-Za-z0-9+/=]+)"\s*\/?>/g;
+const TAG_NAME = {image: "img", video: "video", audio: "audio"};
 
 // The media tags of `content` whose tag name matches their data URL's type, in order.
 function* mediaTags(content) {
   for (const match of content.matchAll(MEDIA_TAG)) {
-    const kind = match[1] === "img" ? "image" : "video";
+    const kind = match[1] === "img" ? "image" : match[1];
     if (kind === match[3]) yield {kind, src: match[2], index: match.index, length: match[0].length};
   }
 }
@@ -40,6 +42,13 @@ function mediaElement(kind, src) {
     img.alt = "attached image";
     return img;
   }
+  if (kind === "audio") {
+    const audio = document.createElement("audio");
+    audio.src = src;
+    audio.controls = true;
+    audio.preload = "metadata";
+    return audio;
+  }
   const video = document.createElement("video");
   video.src = src;
   video.controls = true;
@@ -48,7 +57,7 @@ function mediaElement(kind, src) {
   return video;
 }
 
-// Render a message: text stays text (never HTML); only our own data-URL <img> / <video> tags become media.
+// Render a message: text stays text (never HTML); only our own data-URL <img> / <video> / <audio> tags become media.
 function renderContent(element, content) {
   element.replaceChildren();
   let last = 0;
@@ -69,7 +78,7 @@ function addBubble(role, content) {
   return div;
 }
 
-// A history entry -> an OpenAI message with text, image_url and video_url parts, in order.
+// A history entry -> an OpenAI message with text, image_url, video_url and audio_url parts, in order.
 function toApiMessage(entry) {
   if (entry.role !== "user") return {role: entry.role, content: entry.content};
   const parts = [];
@@ -108,7 +117,8 @@ function toJpegDataUrl(file) {
   });
 }
 
-// A video file -> a data URL of its bytes as they are (the server samples its frames).
+// A video or audio file -> a data URL of its bytes as they are (the server samples a video's frames and
+// decodes a recording itself).
 function toDataUrl(file) {
   return new Promise((resolve, reject) => {
     const reader = new FileReader();
@@ -118,18 +128,19 @@ function toDataUrl(file) {
   });
 }
 
-const MAX_VIDEO_MB = 20;  // a short clip; the server has its own limits (and answers 413 over them)
+const MAX_MEDIA_MB = 20;  // a short clip or recording; the server has its own limits (and answers 413 over them)
 
 async function attach(files) {
   for (const file of files) {
     try {
       if (file.type.startsWith("image/")) {
         pending.push({kind: "image", src: await toJpegDataUrl(file), name: file.name});
-      } else if (file.type.startsWith("video/")) {
-        if (file.size > MAX_VIDEO_MB * 2 ** 20) { showError(file.name + " is over " + MAX_VIDEO_MB + " MB; attach a shorter clip."); continue; }
-        pending.push({kind: "video", src: await toDataUrl(file), name: file.name});
+      } else if (file.type.startsWith("video/") || file.type.startsWith("audio/")) {
+        const kind = file.type.split("/")[0];
+        if (file.size > MAX_MEDIA_MB * 2 ** 20) { showError(file.name + " is over " + MAX_MEDIA_MB + " MB; attach a shorter " + (kind === "video" ? "clip." : "recording.")); continue; }
+        pending.push({kind, src: await toDataUrl(file), name: file.name});
       } else {
-        showError(file.name + " is not an image or a video.");
+        showError(file.name + " is not an image, a video or a recording.");
       }
     } catch (e) {
       showError(e.message);
@@ -146,7 +157,7 @@ function renderPending() {
     wrap.className = "preview " + item.kind;
     wrap.title = item.name || "";
     const media = mediaElement(item.kind, item.src);
-    media.controls = false;
+    media.controls = item.kind === "audio";  // a recording shows as its player; a clip as its first frame
     if (item.kind === "image") media.alt = "image to send";
     const remove = document.createElement("button");
     remove.type = "button";
@@ -154,10 +165,10 @@ function renderPending() {
     remove.title = "Remove";
     remove.onclick = () => { pending.splice(i, 1); renderPending(); };
     wrap.append(media);
-    if (item.kind === "video") {
+    if (item.kind !== "image") {
       const name = document.createElement("span");
       name.className = "name";
-      name.textContent = item.name || "video";
+      name.textContent = item.name || item.kind;
       wrap.append(name);
     }
     wrap.append(remove);
@@ -178,7 +189,7 @@ async function send() {
   const text = $("message").value.trim();
   if (busy || (!text && !pending.length)) return;
   showError("");
-  const tags = pending.map((item) => item.kind === "image" ? `<img src="${item.src}">` : `<video src="${item.src}">`);
+  const tags = pending.map((item) => `<${TAG_NAME[item.kind]} src="${item.src}">`);
   const content = tags.join("") + (pending.length && text ? "\n" : "") + text;
   const sent = pending;
   chatHistory.push({role: "user", content});

@@ -1,7 +1,8 @@
 """The web chat page in headless Chromium (Playwright driving the system `chromium`): upload an
 image, ask the bundled model about it, see the streamed answer and the image in the history; upload
 a short clip to a tiny Qwen2-VL and see the answer the server gives the same request sent directly;
-a video the model cannot take is a 400 shown in the page, and the conversation goes on."""
+a video the model cannot take is a 400 shown in the page, and the conversation goes on; likewise a WAV
+recording to a tiny Qwen2-Audio, and to the demo model, which cannot hear."""
 
 from __future__ import annotations
 
@@ -200,3 +201,72 @@ def test_a_video_the_model_cannot_take_is_shown_and_the_chat_goes_on(server, pag
     page.wait_for_selector(".message.assistant:not(.streaming)")
     assert page.locator(".message.assistant").last.inner_text().strip() == CAPTION
     assert page.is_hidden("#error") and page.locator("#attachments .preview").count() == 0
+
+
+# ---- recordings ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def audio_server(tmp_path_factory):
+    """A server (API key required) over a tiny Qwen2-Audio, which hears, and a WAV recording."""
+    from tessera.engine.async_engine import AsyncEngine
+    from tessera.engine.llm_engine import LLMEngine
+    from tessera.entrypoints.openai.api_server import ServerThread, build_app
+    from tessera.multimodal.media import MediaPolicy
+    from testkit.audio import random_audio, wav_bytes
+    from testkit.qwen2_audio import build_tiny_qwen2_audio
+
+    folder = build_tiny_qwen2_audio(tmp_path_factory.mktemp("qwen2_audio_page"))
+    recording = tmp_path_factory.mktemp("recordings") / "note.wav"
+    recording.write_bytes(wav_bytes(random_audio(1.5, seed=9)))
+    engine = AsyncEngine(LLMEngine.from_options(str(folder), kv_cache_memory="8MiB"))
+    try:
+        with ServerThread(build_app(engine, model_name="ear", api_key=API_KEY, media_policy=MediaPolicy())) as url:
+            yield url, recording
+    finally:
+        engine.shutdown()
+
+
+def test_attach_a_recording_and_see_the_servers_answer(audio_server, page):
+    import base64
+
+    url, recording = audio_server
+    open_with_key(page, url, "ear")
+    page.fill("#max-tokens", str(MAX_TOKENS))
+    page.set_input_files("#file-input", str(recording))
+    page.wait_for_selector("#attachments .preview audio")  # a player and the file's name, before sending
+    assert page.inner_text("#attachments .preview .name") == "note.wav"
+    page.fill("#message", "What is said?")
+    page.click("#send")
+    page.wait_for_selector(".message.assistant:not(.streaming)")
+    assert page.is_hidden("#error"), page.inner_text("#error")
+
+    user = page.locator(".message.user").last
+    src = user.locator("audio").get_attribute("src")  # the recording stays in the history, its bytes as they are
+    head, payload = src.split(",", 1)
+    assert head.startswith("data:audio/") and base64.b64decode(payload) == recording.read_bytes()
+    body = {"model": "ear", "max_tokens": MAX_TOKENS, "temperature": 0, "messages": [
+        {"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": src}},
+                                     {"type": "text", "text": "What is said?"}]}]}  # fmt: skip
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert response.status_code == 200, response.text
+    expected = response.json()["choices"][0]["message"]["content"]
+    assert expected.strip() and page.locator(".message.assistant").last.inner_text().strip() == expected.strip()
+
+
+def test_a_recording_the_model_cannot_hear_is_shown_and_the_chat_goes_on(server, audio_server, page):
+    open_with_key(page, server[0])  # the demo model takes images only
+    page.set_input_files("#file-input", str(audio_server[1]))
+    page.wait_for_selector("#attachments .preview audio")
+    page.fill("#message", "Describe the image.")
+    page.click("#send")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "does not support audio" in page.inner_text("#error")
+    assert page.locator(".message").count() == 0 and page.locator("#attachments .preview audio").count() == 1
+    page.click("#attachments .preview.audio button")
+    page.set_input_files("#file-input", str(IMAGE))
+    page.wait_for_selector("#attachments .preview img")
+    page.click("#send")
+    page.wait_for_selector(".message.assistant:not(.streaming)")
+    assert page.locator(".message.assistant").last.inner_text().strip() == CAPTION
