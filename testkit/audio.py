@@ -3,6 +3,7 @@ PyAV)."""
 
 from __future__ import annotations
 
+import functools
 import io
 import wave
 
@@ -39,6 +40,25 @@ def mp3_bytes(samples: np.ndarray, rate: int = 16000) -> bytes:
         frame.sample_rate = rate
         for packet in stream.encode(frame):
             container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+@functools.cache
+def two_hours_of_silence() -> bytes:
+    """Two hours of silence as FLAC (8 kHz, ~1.3 MB: small enough to pass a body limit, long past any duration
+    limit), encoded once per test process."""
+    rate, minute = 8000, np.zeros((1, 8000 * 60), np.int16)
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="flac") as container:
+        stream = container.add_stream("flac", rate=rate)
+        stream.layout = "mono"
+        for i in range(120):
+            frame = av.AudioFrame.from_ndarray(minute, format="s16", layout="mono")
+            frame.sample_rate, frame.pts = rate, i * minute.shape[1]
+            for packet in stream.encode(frame):
+                container.mux(packet)
         for packet in stream.encode(None):
             container.mux(packet)
     return buffer.getvalue()

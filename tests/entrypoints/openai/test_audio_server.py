@@ -1,10 +1,12 @@
-"""Audio through the OpenAI server (Qwen2-Audio): the openai client's input_audio parts (a WAV and an MP3)
-get the offline API's answer; hostile audio gets a JSON 400 while other requests complete."""
+"""Audio through the OpenAI server (Qwen2-Audio): the openai client's input_audio parts and transcriptions (a
+WAV and an MP3) give the offline API's text, streamed or whole, in every response format; /tokenize counts the
+audio tokens as HF's processor; hostile audio and bad forms get a JSON 400 while other requests complete."""
 
 from __future__ import annotations
 
 import base64
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -15,7 +17,7 @@ from tessera import LLM, SamplingParams
 from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
-from testkit.audio import mp3_bytes, random_audio, wav_bytes
+from testkit.audio import mp3_bytes, random_audio, two_hours_of_silence, wav_bytes
 from testkit.qwen2_audio import build_tiny_qwen2_audio
 
 OPTIONS = {"kv_cache_memory": "4MiB"}
@@ -68,30 +70,46 @@ def test_tokenize_counts_the_audio_tokens_as_hfs_processor(audio_server):
     assert expected[span["offset"] : span["offset"] + span["length"]] == [audio_id] * span["length"]
 
 
-def hostile_files() -> dict[str, bytes]:
-    header_claims_hours = bytearray(wav_bytes(random_audio(0.2, seed=1)))
-    header_claims_hours[40:44] = struct.pack("<I", 0x7FFFFFF0)
-    zero_rate = bytearray(wav_bytes(random_audio(0.2, seed=1)))
-    zero_rate[24:28] = struct.pack("<I", 0)  # the fmt chunk's sample rate
-    return {
-        "truncated": wav_bytes(random_audio(0.5, seed=1))[:30],
-        "zero-hz": bytes(zero_rate),
-        "not-audio": b"\x89PNG\r\n\x1a\n" + bytes(64),
-        "header-claims-hours": bytes(header_claims_hours),
-    }
+HOSTILE = ["header-claims-hours", "not-audio", "truncated", "two-hours-of-silence", "zero-hz"]
 
 
-@pytest.mark.parametrize("name", sorted(hostile_files()))
-def test_hostile_audio_is_a_json_400_and_the_server_goes_on(audio_server, name):
+def hostile_file(name: str) -> bytes:
+    if name == "two-hours-of-silence":
+        return two_hours_of_silence()
+    if name == "not-audio":
+        return b"\x89PNG\r\n\x1a\n" + bytes(64)
+    if name == "truncated":
+        return wav_bytes(random_audio(0.5, seed=1))[:30]
+    data = bytearray(wav_bytes(random_audio(0.2, seed=1)))
+    if name == "zero-hz":
+        data[24:28] = struct.pack("<I", 0)  # the fmt chunk's sample rate
+    else:  # the data chunk's size: hours
+        data[40:44] = struct.pack("<I", 0x7FFFFFF0)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_audio_is_a_json_400_while_other_requests_complete(audio_server, name):
+    """Each hostile file, in a chat and as a transcription upload, while a long answer streams: a JSON 400
+    naming the audio (a header that claims hours decodes what is there), and the long answer completes."""
     url, _ = audio_server
-    body = {"model": "tiny", "messages": audio_message(hostile_files()[name], "wav"), "max_tokens": 2}
-    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
-    if name == "header-claims-hours":  # decodes what is there: a short recording, answered
-        assert response.status_code == 200
-    else:
-        assert response.status_code == 400 and "audio" in response.json()["error"]["message"].lower()
-    good = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
-    assert httpx.post(url + "/v1/chat/completions", json=good, timeout=60).status_code == 200
+    long_answer = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 48,
+                   "ignore_eos": True}  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(httpx.post, url + "/v1/chat/completions", json=long_answer, timeout=120)
+        data = hostile_file(name)
+        body = {"model": "tiny", "messages": audio_message(data, "flac"), "max_tokens": 2}
+        chat = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        upload = transcribe(url, data, name="speech.wav")
+        finished = running.result()
+    for response in (chat, upload):
+        if name == "header-claims-hours":
+            assert response.status_code == 200
+        else:
+            assert response.status_code == 400 and "audio" in response.json()["error"]["message"].lower()
+    if name == "two-hours-of-silence":
+        assert "longer than" in chat.json()["error"]["message"]
+    assert finished.status_code == 200 and finished.json()["usage"]["completion_tokens"] == 48
 
 
 # ---- /v1/audio/transcriptions ----------------------------------------------------------------------------
