@@ -16,6 +16,7 @@ import jinja2
 
 from ..errors import InputError
 from ..special_tokens import adds_special_token
+from .mistral_chat import mistral_common_tokenizer, render_mistral_chat
 
 Message = Mapping[str, Any]
 ImageLoader = Callable[[str], Any]
@@ -288,6 +289,10 @@ def render_prompt(
     any is named: "multi_modal_uuids"). Message content goes to the template as a list of parts or
     as one string, as the template expects (`content_format`; "auto" reads the template). `tools`
     (OpenAI function tools) go to the template's `tools` variable."""
+    mistral = mistral_common_tokenizer(renderer)
+    if mistral is not None:  # the chat format is mistral-common's code: token ids, not a template's text
+        media = {"image": images, "video": videos, "audio": audios}
+        return render_mistral_chat(mistral, hf_messages, media, {"audio": audio_uuids}, add_generation_prompt, tools)
     if chat_template is None:
         raise InputError("This model has no chat template; pass chat_template=... or use generate().")
     if content_format not in ("auto", "string", "openai"):

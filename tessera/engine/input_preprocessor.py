@@ -26,6 +26,7 @@ from .chat_utils import (
     render_plain,
 )
 from .core.core_io import EngineLimits
+from .mistral_chat import mistral_common_tokenizer
 from .prompt import PromptInputs, PromptType, longest_token_chars, process_prompt
 
 
@@ -88,7 +89,7 @@ class InputPreprocessor:
         (InputError) before any is loaded. `tools`: OpenAI function tools for the template."""
         template = chat_template or self.chat_template
         video = self.video_loader(load_video)
-        if template is None and plain_fallback:
+        if template is None and plain_fallback and mistral_common_tokenizer(self.renderer) is None:
             return render_plain(messages, load_image, self.placeholder, load_video=video,
                                 video_placeholder=self.video_placeholder, load_audio=self.audio_loader(load_audio),
                                 audio_placeholder=self.audio_placeholder)  # fmt: skip

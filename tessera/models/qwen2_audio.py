@@ -1,6 +1,6 @@
-"""Qwen2-Audio: a Whisper-style encoder (two convolutions, learned positions, pre-LN transformer layers, 2x
-average pooling, a final layer norm), a linear projector, and the language model its text_config names
-(Qwen2). As transformers' modeling_qwen2_audio.py; processing as vLLM's qwen2_audio.py.
+"""Qwen2-Audio: a Whisper encoder with 2x average pooling before its final norm (whisper_encoder.py), a linear
+projector, and the language model its text_config names (Qwen2). As transformers' modeling_qwen2_audio.py;
+processing as vLLM's qwen2_audio.py.
 
 The HF processor (WhisperFeatureExtractor) turns each waveform at 16 kHz into log-mel features padded to
 30 s ([mel bins, 3000] and a frame mask; longer recordings are cut at 30 s) and expands each `<|AUDIO|>` of
@@ -15,13 +15,13 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import BatchFeature, Qwen2AudioConfig, Qwen2AudioProcessor
 
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMultiModal
 from tessera.models.registry import ModelRegistry
 from tessera.models.utils import module_dtype_device
+from tessera.models.whisper_encoder import WhisperEncoder, conv_output_frames
 from tessera.multimodal import MULTIMODAL_REGISTRY
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from tessera.multimodal.parse import MultiModalDataItems, MultiModalDataParser
@@ -39,7 +39,7 @@ AUDIO_TOKEN = "<|AUDIO|>"
 
 def audio_output_lengths(mel_frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(frames after the strided conv, tokens after pooling) for `mel_frames` valid input frames."""
-    conv = (mel_frames - 1) // 2 + 1
+    conv = conv_output_frames(mel_frames)
     return conv, (conv - 2) // 2 + 1
 
 
@@ -111,61 +111,6 @@ class Qwen2AudioMultiModalProcessor(BaseMultiModalProcessor[Qwen2AudioProcessing
         return [PromptReplacement(modality="audio", target=[audio_token_id], replacement=get_replacement)]
 
 
-class Qwen2AudioAttention(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.num_heads = config.encoder_attention_heads
-        self.head_dim = config.d_model // self.num_heads
-        self.q_proj = nn.Linear(config.d_model, config.d_model)
-        self.k_proj = nn.Linear(config.d_model, config.d_model, bias=False)
-        self.v_proj = nn.Linear(config.d_model, config.d_model)
-        self.out_proj = nn.Linear(config.d_model, config.d_model)
-
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """x [N, L, D]; attn_mask [N, 1, 1, L] bool (True: a real frame to attend to)."""
-        n, length, _ = x.shape
-        q, k, v = (p(x).reshape(n, length, self.num_heads, self.head_dim).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.head_dim**-0.5)
-        return self.out_proj(out.transpose(1, 2).reshape(n, length, -1))
-
-
-class Qwen2AudioEncoderLayer(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.self_attn = Qwen2AudioAttention(config)
-        self.self_attn_layer_norm = nn.LayerNorm(config.d_model)
-        self.fc1 = nn.Linear(config.d_model, config.encoder_ffn_dim)
-        self.fc2 = nn.Linear(config.encoder_ffn_dim, config.d_model)
-        self.final_layer_norm = nn.LayerNorm(config.d_model)
-
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), attn_mask)
-        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
-
-
-class Qwen2AudioEncoder(nn.Module):
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv1d(config.num_mel_bins, config.d_model, kernel_size=3, padding=1)
-        self.conv2 = nn.Conv1d(config.d_model, config.d_model, kernel_size=3, stride=2, padding=1)
-        self.embed_positions = nn.Embedding(config.max_source_positions, config.d_model)
-        self.layers = nn.ModuleList(Qwen2AudioEncoderLayer(config) for _ in range(config.encoder_layers))
-        self.layer_norm = nn.LayerNorm(config.d_model)
-
-    def forward(self, features: torch.Tensor, mel_frames: torch.Tensor) -> torch.Tensor:
-        """features [N, mel bins, 2 * max_source_positions] with `mel_frames` [N] valid frames each ->
-        [N, max_source_positions / 2, D] (padded frames included; the caller keeps each item's valid ones)."""
-        x = F.gelu(self.conv2(F.gelu(self.conv1(features))))  # [N, D, L]
-        x = x.transpose(1, 2) + self.embed_positions.weight  # every position, as HF
-        conv_frames, _ = audio_output_lengths(mel_frames)
-        mask = (torch.arange(x.shape[1], device=x.device)[None] < conv_frames.to(x.device)[:, None])[:, None, None]
-        for layer in self.layers:
-            x = layer(x, mask)
-        x = F.avg_pool1d(x.transpose(1, 2), kernel_size=2, stride=2).transpose(1, 2)
-        return self.layer_norm(x)
-
-
 class Qwen2AudioMultiModalProjector(nn.Module):
     def __init__(self, config: Qwen2AudioConfig) -> None:
         super().__init__()
@@ -198,7 +143,7 @@ class Qwen2AudioForConditionalGeneration(nn.Module, SupportsMultiModal):
     def __init__(self, config: Qwen2AudioConfig) -> None:
         super().__init__()
         self.config = config
-        self.audio_tower = Qwen2AudioEncoder(config.audio_config)
+        self.audio_tower = WhisperEncoder(config.audio_config, pool=True)
         self.multi_modal_projector = Qwen2AudioMultiModalProjector(config)
         self.language_model = ModelRegistry.build_language_model(config)
         self.placeholder_token_id = config.audio_token_index

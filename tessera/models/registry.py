@@ -36,6 +36,7 @@ _BUILTIN_MODELS = {
     "Qwen3_5ForConditionalGeneration": "tessera.models.qwen3_5:Qwen3_5ForConditionalGeneration",
     "Lfm2VlForConditionalGeneration": "tessera.models.lfm2_vl:Lfm2VlForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": "tessera.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
+    "VoxtralForConditionalGeneration": "tessera.models.voxtral:VoxtralForConditionalGeneration",
     "FuyuForCausalLM": "tessera.models.fuyu:FuyuForCausalLM",
     "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
     "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",
