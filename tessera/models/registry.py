@@ -37,6 +37,12 @@ _BUILTIN_MODELS = {
     "Lfm2VlForConditionalGeneration": "tessera.models.lfm2_vl:Lfm2VlForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": "tessera.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
     "VoxtralForConditionalGeneration": "tessera.models.voxtral:VoxtralForConditionalGeneration",
+    # Qwen2.5-Omni: its thinker (the whole model's checkpoints too: the talker is not run)
+    "Qwen2_5OmniThinkerForConditionalGeneration":
+        "tessera.models.qwen2_5_omni_thinker:Qwen2_5OmniThinkerForConditionalGeneration",
+    "Qwen2_5OmniForConditionalGeneration":
+        "tessera.models.qwen2_5_omni_thinker:Qwen2_5OmniThinkerForConditionalGeneration",
+    "Qwen2_5OmniModel": "tessera.models.qwen2_5_omni_thinker:Qwen2_5OmniThinkerForConditionalGeneration",
     "FuyuForCausalLM": "tessera.models.fuyu:FuyuForCausalLM",
     "LlamaForCausalLM": "tessera.models.llama:LlamaForCausalLM",
     "PersimmonForCausalLM": "tessera.models.persimmon:PersimmonForCausalLM",
@@ -54,6 +60,7 @@ _BUILTIN_TEXT_MODELS = {
     "qwen2": "tessera.models.qwen2:Qwen2ForCausalLM",
     "qwen2_vl_text": "tessera.models.qwen2:Qwen2ForCausalLM",  # Qwen2-VL's decoder: Qwen2's, M-RoPE positions
     "qwen2_5_vl_text": "tessera.models.qwen2:Qwen2ForCausalLM",  # so is Qwen2.5-VL's
+    "qwen2_5_omni_text": "tessera.models.qwen2:Qwen2ForCausalLM",  # and Qwen2.5-Omni's thinker's
     "mistral": "tessera.models.mistral:MistralForCausalLM",
     "qwen3": "tessera.models.qwen3:Qwen3ForCausalLM",
     "qwen3_vl_text": "tessera.models.qwen3_vl:Qwen3VLTextForCausalLM",  # Qwen3's, adding DeepStack features

@@ -114,7 +114,7 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
         single item): a named item is cached under its name, so the caller promises that one name
         always means the same content."""
         self.check_mm_kwargs(hf_processor_mm_kwargs)
-        mm_items = self._to_mm_items(mm_data)
+        mm_items = self._to_mm_items(mm_data, hf_processor_mm_kwargs)
         mm_hashes = self._hash_mm_items(mm_items, hf_processor_mm_kwargs, mm_uuids=mm_uuids)
         if self.cache is None:
             prompt_ids, mm_kwargs, maybe_applied = self._apply_hf_processor_main(
@@ -145,7 +145,11 @@ class BaseMultiModalProcessor(ABC, Generic[_I]):
             check_mm_kwargs(hf_processor, merged)
             check_request_magnitudes(hf_processor, hf_processor_mm_kwargs)
 
-    def _to_mm_items(self, mm_data: MultiModalDataDict) -> MultiModalDataItems:
+    def _to_mm_items(
+        self, mm_data: MultiModalDataDict, hf_processor_mm_kwargs: Mapping[str, object] = {}
+    ) -> MultiModalDataItems:
+        """The items, parsed and checked against the limits (a model may combine items as its processing
+        kwargs say: Qwen2.5-Omni's use_audio_in_video)."""
         mm_items = self.data_parser.parse_mm_data(mm_data)
         limits = self.info.get_allowed_mm_limits()
         for modality, items in mm_items.items():
