@@ -35,10 +35,13 @@ def video_bytes(
     codec: str = "mpeg4",
     container: str = "mp4",
     path: Optional[Union[str, Path]] = None,
+    audio: Optional[np.ndarray] = None,
+    audio_rate: int = 16000,
 ) -> bytes:
     """A video of `num_frames` test frames (video_frame) at `fps`, encoded with `codec` (mpeg4,
-    libx264, ...) in `container` (mp4, webm/matroska, avi), at a high bit rate so colours survive.
-    Also written to `path` if given. Sides must be even (4:2:0 chroma)."""
+    libx264, ...) in `container` (mp4, webm/matroska, avi), at a high bit rate so colours survive;
+    with `audio` (mono float32 at `audio_rate`), a sound track too (AAC). Also written to `path` if
+    given. Sides must be even (4:2:0 chroma)."""
     buffer = io.BytesIO()
     import av  # only the tests and benchmarks that make videos load FFmpeg
 
@@ -46,12 +49,20 @@ def video_bytes(
         stream = output.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.bit_rate = 4_000_000
+        sound = output.add_stream("aac", rate=audio_rate) if audio is not None else None  # streams before packets
+        if sound is not None:
+            sound.layout = "mono"
         for index in range(num_frames):
             frame = av.VideoFrame.from_ndarray(video_frame(index, width, height), format="rgb24")
             for packet in stream.encode(frame):
                 output.mux(packet)
         for packet in stream.encode():
             output.mux(packet)
+        if sound is not None and audio is not None:
+            samples = av.AudioFrame.from_ndarray(audio[None].astype(np.float32), format="fltp", layout="mono")
+            samples.sample_rate = audio_rate
+            for packet in [*sound.encode(samples), *sound.encode(None)]:
+                output.mux(packet)
     data = buffer.getvalue()
     if path is not None:
         Path(path).write_bytes(data)

@@ -8,7 +8,7 @@ stepping; the engine only queues what it returns (as vLLM's input processor feed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 from ..config import ModelConfig
@@ -98,6 +98,12 @@ class InputPreprocessor:
                            video_placeholder=self.video_placeholder, tools=tools,
                            load_audio=self.audio_loader(load_audio),
                            audio_placeholder=self.audio_placeholder)  # fmt: skip
+
+    def hears_videos(self, mm_processor_kwargs: Optional[Mapping[str, Any]] = None) -> bool:
+        """Whether a request with these processor kwargs (over the model's) hears its videos' sound tracks
+        (Qwen2.5-Omni's use_audio_in_video, as vLLM names it): then video loaders decode the tracks too."""
+        merged = {**self.model_config.multimodal_config.mm_processor_kwargs, **(mm_processor_kwargs or {})}
+        return bool(merged.get("use_audio_in_video") or merged.get("load_audio_from_video"))
 
     @property
     def takes_video(self) -> bool:

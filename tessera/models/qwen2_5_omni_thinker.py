@@ -35,8 +35,14 @@ from tessera.models.qwen2_vl import (
 from tessera.models.registry import ModelRegistry
 from tessera.models.utils import module_dtype_device
 from tessera.multimodal import MULTIMODAL_REGISTRY
+from tessera.multimodal.audio import as_waveform
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
-from tessera.multimodal.parse import MultiModalDataItems, MultiModalDataParser, VideoProcessorItems
+from tessera.multimodal.parse import (
+    AudioProcessorItems,
+    MultiModalDataItems,
+    MultiModalDataParser,
+    VideoProcessorItems,
+)
 from tessera.multimodal.processing import PromptReplacement, PromptUpdate, PromptUpdateDetails
 
 AUDIO_IN_VIDEO_KEYS = ("use_audio_in_video", "load_audio_from_video")
@@ -51,17 +57,10 @@ class VideoWithAudioItems(VideoProcessorItems):
     """Videos heard with their sound tracks (mono float32 at the feature extractor's rate), one per video."""
 
     def __init__(self, videos: VideoProcessorItems, tracks: Sequence[np.ndarray]) -> None:
-        super().__init__(videos.data, videos.metadata)
-        self.tracks = list(tracks)
+        super().__init__(videos.data, videos.metadata, tracks)
 
     def get_processor_data(self) -> Mapping[str, object]:
         return {**super().get_processor_data(), "video_audios": self.tracks}
-
-    def get_hash_item(self, index: int) -> object:
-        return (super().get_hash_item(index), self.tracks[index])
-
-    def subset(self, indices: Sequence[int]) -> "VideoWithAudioItems":
-        return VideoWithAudioItems(super().subset(indices), [self.tracks[i] for i in indices])
 
 
 class Qwen2_5OmniThinkerProcessingInfo(Qwen2VLProcessingInfo):
@@ -115,9 +114,15 @@ class Qwen2_5OmniThinkerMultiModalProcessor(Qwen2VLMultiModalProcessor):
         """With use_audio_in_video, audio item i is video i's sound track: one item of the two."""
         mm_items = super()._to_mm_items(mm_data, hf_processor_mm_kwargs)
         merged = self.info.ctx.get_merged_mm_kwargs(hf_processor_mm_kwargs)
-        if not any(merged.get(key) for key in AUDIO_IN_VIDEO_KEYS) or "audio" not in mm_items:
+        videos = mm_items.get("video")
+        if not any(merged.get(key) for key in AUDIO_IN_VIDEO_KEYS) or ("audio" not in mm_items and videos is None):
             return mm_items
-        audios, videos = mm_items.pop("audio"), mm_items.get("video")
+        if "audio" not in mm_items and isinstance(videos, VideoProcessorItems) and None not in videos.tracks:
+            rate = self.info.get_feature_extractor().sampling_rate  # the tracks decoded with the videos (chat)
+            tracks = [as_waveform(track, rate, i) for i, track in enumerate(videos.tracks)]
+            mm_items["video"] = VideoWithAudioItems(videos, tracks)
+            return mm_items
+        audios = mm_items.pop("audio", None) or AudioProcessorItems([])
         if videos is None or audios.get_count() != videos.get_count() or not isinstance(videos, VideoProcessorItems):
             count = 0 if videos is None else videos.get_count()
             raise InputError(

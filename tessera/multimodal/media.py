@@ -247,6 +247,7 @@ def load_video_url(
     *,
     num_frames: Optional[int] = None,
     fps: Optional[float] = None,
+    with_audio: bool = False,
     **overrides: Any,
 ) -> VideoFrames:
     """The frames sampled from the video at `url` (see read_video_data; `data:video/mp4;base64,...`,
@@ -256,7 +257,7 @@ def load_video_url(
     policy = policy or MediaPolicy()
     if overrides:
         policy = dataclasses.replace(policy, **{LEGACY_NAMES.get(k, k): v for k, v in overrides.items()})
-    return decode_video(read_video_data(url, policy), policy, num_frames=num_frames, fps=fps)
+    return decode_video(read_video_data(url, policy), policy, num_frames=num_frames, fps=fps, with_audio=with_audio)
 
 
 def load_audio_url(url: str, policy: Optional[MediaPolicy] = None, **overrides: Any) -> tuple[Any, int]:
@@ -269,7 +270,8 @@ def load_audio_url(url: str, policy: Optional[MediaPolicy] = None, **overrides: 
     return decode_audio_native(read_media_bytes(url, policy, kind="audio"))
 
 
-MEDIA_IO_OPTIONS = {"image": frozenset(), "video": frozenset({"num_frames", "fps"})}
+# video "with_audio": its sound track too (set for requests with Qwen2.5-Omni's use_audio_in_video)
+MEDIA_IO_OPTIONS = {"image": frozenset(), "video": frozenset({"num_frames", "fps", "with_audio"})}
 
 
 def check_media_io_kwargs(kwargs: Any) -> dict[str, dict[str, Any]]:

@@ -123,10 +123,15 @@ class VideoProcessorItems(ProcessorBatchItems[np.ndarray]):
     each video's `VideoFrames.metadata` when it came decoded from a file, else None."""
 
     def __init__(
-        self, data: Sequence[np.ndarray], metadata: Optional[Sequence[Optional[dict[str, Any]]]] = None
+        self,
+        data: Sequence[np.ndarray],
+        metadata: Optional[Sequence[Optional[dict[str, Any]]]] = None,
+        tracks: Optional[Sequence[Optional[tuple[np.ndarray, int]]]] = None,
     ) -> None:
         super().__init__(data, "video")
         self.metadata = list(metadata) if metadata is not None else [None] * len(data)
+        self.tracks = list(tracks) if tracks is not None else [None] * len(data)
+        """Each video's sound track ((waveform, rate), from a `VideoFrames` decoded `with_audio`), else None."""
 
     def get_num_frames(self, item_index: int) -> int:
         return int(self.get(item_index).shape[0])
@@ -152,12 +157,14 @@ class VideoProcessorItems(ProcessorBatchItems[np.ndarray]):
         return data
 
     def get_hash_item(self, index: int) -> object:
-        meta = self.metadata[index]
-        return self.get(index) if meta is None else (self.get(index), meta)
+        meta, track = self.metadata[index], self.tracks[index]
+        item = self.get(index) if meta is None else (self.get(index), meta)
+        return item if track is None else (item, track)
 
     def subset(self, indices: Sequence[int]) -> "VideoProcessorItems":
         subset = super().subset(indices)
         subset.metadata = [self.metadata[i] for i in indices]
+        subset.tracks = [self.tracks[i] for i in indices]
         return subset
 
 
@@ -336,14 +343,15 @@ def _as_video_items(data: Any) -> VideoProcessorItems:
         data = [data]
     elif not isinstance(data, (list, tuple)):
         raise InputError(f"multi_modal_data['video'] has unsupported type {type(data).__name__}; pass {VIDEO_FORMS}.")
-    videos, metadata = [], []
+    videos, metadata, tracks = [], [], []
     for index, video in enumerate(data):
-        meta = None
+        meta, track = None, None
         if isinstance(video, VideoFrames):
-            video, meta = video.frames, video.metadata
+            video, meta, track = video.frames, video.metadata, video.audio
         videos.append(_check_video(video, index))
         metadata.append(meta)
-    return VideoProcessorItems(videos, metadata)
+        tracks.append(track)
+    return VideoProcessorItems(videos, metadata, tracks)
 
 
 def _check_video(video: Any, index: int) -> np.ndarray:

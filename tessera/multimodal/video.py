@@ -20,6 +20,7 @@ given as an array.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import math
@@ -32,6 +33,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import InputError, InputTooLargeError
+from .audio import decode_audio_native
 from .image_decode import _open_lock, check_size, to_rgb
 from .media_policy import MediaPolicy
 
@@ -71,6 +73,9 @@ class VideoFrames:
     """Frames in the source video."""
     frames_indices: tuple[int, ...]
     """The index in the source video of each sampled frame."""
+    audio: Optional[tuple[np.ndarray, int]] = None
+    """The video's sound track (mono float32 waveform, its sampling rate), when it was asked for (`with_audio`:
+    Qwen2.5-Omni's use_audio_in_video)."""
 
     @property
     def num_frames(self) -> int:
@@ -163,13 +168,29 @@ def decode_video(
     *,
     num_frames: Optional[int] = None,
     fps: Optional[float] = None,
+    with_audio: bool = False,
 ) -> VideoFrames:
     """The frames of the video in `data`, sampled as the module docstring says (CPU work: every
-    frame up to the last sampled one is decoded). InputError (InputTooLargeError for sizes) naming
-    the limit for anything the policy refuses, or the video cannot be read. `JpegFrames` go to
-    decode_jpeg_frames."""
+    frame up to the last sampled one is decoded), and with `with_audio` its sound track (an InputError
+    if it has none). InputError (InputTooLargeError for sizes) naming the limit for anything the policy
+    refuses, or the video cannot be read. `JpegFrames` go to decode_jpeg_frames."""
     if isinstance(data, JpegFrames):
+        if with_audio:
+            raise InputError("JPEG frames carry no sound track; send the video file to hear its audio.")
         return decode_jpeg_frames(data, policy, num_frames=num_frames, fps=fps)
+    video = _decode_video_file(data, policy, num_frames, fps)
+    if not with_audio:
+        return video
+    try:
+        track = decode_audio_native(data)
+    except InputError as e:
+        raise InputError(f"The video's sound track could not be read ({e}); leave use_audio_in_video out.") from None
+    return dataclasses.replace(video, audio=track)
+
+
+def _decode_video_file(
+    data: bytes, policy: Optional[MediaPolicy], num_frames: Optional[int], fps: Optional[float]
+) -> VideoFrames:
     import av  # FFmpeg's libraries load on the first video, not on every import of the media layer
 
     policy = policy or MediaPolicy()

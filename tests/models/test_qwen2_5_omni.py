@@ -17,6 +17,7 @@ from transformers import Qwen2_5OmniThinkerForConditionalGeneration as HFThinker
 
 from tessera import LLM, SamplingParams
 from tessera.errors import InputError
+from tessera.multimodal.audio import resample
 from tessera.multimodal.inputs import MultiModalKwargs
 from testkit.audio import random_audio, wav_bytes
 from testkit.generation import greedy_logprobs
@@ -206,3 +207,55 @@ def test_audio_in_video_needs_one_track_per_video(omni):
     with pytest.raises(InputError, match="2 audio item\\(s\\) for 1 video"):
         llm.generate(request(user(VIDEO), data, IN_VIDEO), GREEDY)
     assert tokens(llm, [request(*cases()[3][1:])])  # the engine still answers
+
+
+def test_a_chat_video_heard_with_its_sound_track_gets_hfs_answer_offline_and_served(omni, tmp_path):
+    """use_audio_in_video in a chat: the video_url part's file is decoded with its sound track, which HF's
+    processor hears with the video (audio_from_video_indices); the server gives the offline answer."""
+    import openai
+
+    from tessera.engine.async_engine import AsyncEngine
+    from tessera.engine.llm_engine import LLMEngine
+    from tessera.entrypoints.openai.api_server import ServerThread, build_app
+    from tessera.multimodal.video import decode_video
+    from testkit import video_bytes
+
+    folder, hf_model, processor, _, _ = omni
+    data = video_bytes(num_frames=4, width=56, height=56, fps=2, audio=random_audio(2.0, seed=13))
+    (tmp_path / "talk.mp4").write_bytes(data)
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "What is said?"}]}]  # fmt: skip
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB")
+    (output,) = llm.chat(messages, GREEDY, use_tqdm=False, mm_processor_kwargs=IN_VIDEO)
+    video = decode_video(data, with_audio=True)
+    track = resample(*video.audio, 16000)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What is said?"}]}],
+        add_generation_prompt=True, tokenize=False,
+    )  # fmt: skip
+    inputs = processor(text=text, videos=[video.frames], audio=[track], audio_from_video_indices=[0],
+                       use_audio_in_video=True, return_tensors="pt")  # fmt: skip
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                                use_audio_in_video=True)  # fmt: skip
+    assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert output.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+    engine = AsyncEngine(LLMEngine.from_options(str(folder), kv_cache_memory="16MiB"))
+    try:
+        with ServerThread(build_app(engine, model_name="omni")) as server:
+            client = openai.OpenAI(base_url=server + "/v1", api_key="none")
+            reply = client.chat.completions.create(
+                model="omni", messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True, "mm_processor_kwargs": IN_VIDEO},
+            )  # fmt: skip
+            mute = base64.b64encode(video_bytes(num_frames=4, width=56, height=56)).decode()
+            silent = "data:video/mp4;base64," + mute
+            bad = client.with_options(max_retries=0).chat.completions
+            with pytest.raises(openai.BadRequestError, match="sound track"):
+                bad.create(model="omni", max_tokens=2, extra_body={"mm_processor_kwargs": IN_VIDEO}, messages=[
+                    {"role": "user", "content": [{"type": "video_url", "video_url": {"url": silent}}]}])  # fmt: skip
+    finally:
+        engine.shutdown()
+    assert reply.choices[0].message.content == output.outputs[0].text

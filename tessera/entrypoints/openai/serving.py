@@ -124,10 +124,17 @@ class OpenAIServing:
                 )
             parser = self.tool_parser
         prompt = await self.chat_prompt(
-            request.messages, request.add_generation_prompt, request.media_io_kwargs, tools=tools
+            request.messages, request.add_generation_prompt, self._video_io(request), tools=tools
         )
         prompt = _with_options(prompt, mm_processor_kwargs=request.mm_processor_kwargs)
         return await self._generate(request, prompt, "chatcmpl", chat=True, tool_parser=parser, constraint=schema)
+
+    def _video_io(self, request: Any) -> Optional[dict[str, Any]]:
+        """The request's media_io_kwargs, with videos' sound tracks decoded when its processor kwargs hear them."""
+        if not self.preprocessor.hears_videos(request.mm_processor_kwargs):
+            return request.media_io_kwargs
+        options = dict(request.media_io_kwargs or {})
+        return {**options, "video": {**(options.get("video") or {}), "with_audio": True}}
 
     async def completion(self, request: CompletionRequest) -> Any:
         prompt = await self.completion_prompt(request.prompt)
@@ -140,7 +147,7 @@ class OpenAIServing:
         if request.messages is not None:
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
             prompt = await self.chat_prompt(
-                request.messages, request.add_generation_prompt, request.media_io_kwargs, tools=tools or None
+                request.messages, request.add_generation_prompt, self._video_io(request), tools=tools or None
             )
         else:
             prompt = await self.completion_prompt(request.prompt or "")
