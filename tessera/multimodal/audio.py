@@ -22,6 +22,11 @@ MAX_AUDIO_SECONDS = 20 * 60.0
 """The longest recording decoded (Whisper-style encoders read 30 s windows; longer inputs are the caller's
 to split)."""
 
+MAX_AUDIO_CHANNELS = 32
+"""The most channels a recording may have (surround and ambisonic files stay well within it)."""
+MAX_SAMPLE_RATE = 384_000
+"""The highest sample rate taken, in Hz (the highest studio rate)."""
+
 AudioItem = Union[np.ndarray, tuple[np.ndarray, float]]
 
 
@@ -72,13 +77,21 @@ def _stream_rate(data: bytes) -> int:
         with av.open(io.BytesIO(data), mode="r") as container:
             stream = next(iter(container.streams.audio), None)
             rate = stream.rate if stream is not None else None
+            channels = stream.codec_context.channels if stream is not None else None
     except (av.error.FFmpegError, ValueError, OSError) as e:
         raise InputError(f"The audio could not be decoded ({type(e).__name__}: {e}); send WAV, FLAC, MP3, OGG or M4A.")
     if stream is None:
         raise InputError("The file has no audio track.")
-    if not rate or rate <= 0:
-        raise InputError(f"The audio track has an invalid sample rate ({rate} Hz).")
+    check_stream(rate, channels)
     return int(rate)
+
+
+def check_stream(rate: Any, channels: Any) -> None:
+    """An InputError for an audio track whose header gives an impossible rate or too many channels."""
+    if not rate or rate <= 0 or rate > MAX_SAMPLE_RATE:
+        raise InputError(f"The audio track has an invalid sample rate ({rate} Hz); at most {MAX_SAMPLE_RATE} Hz.")
+    if not channels or channels > MAX_AUDIO_CHANNELS:
+        raise InputError(f"The audio track has {channels} channels; at most {MAX_AUDIO_CHANNELS} are taken.")
 
 
 def decode_audio(data: bytes, target_sr: int, *, max_seconds: float = MAX_AUDIO_SECONDS) -> np.ndarray:
@@ -91,8 +104,7 @@ def decode_audio(data: bytes, target_sr: int, *, max_seconds: float = MAX_AUDIO_
         stream = next(iter(container.streams.audio), None)
         if stream is None:
             raise InputError("The file has no audio track.")
-        if not stream.rate or stream.rate <= 0:
-            raise InputError(f"The audio track has an invalid sample rate ({stream.rate} Hz).")
+        check_stream(stream.rate, stream.codec_context.channels)
         # the channels kept (planar float) and averaged here: a mono mix, as librosa makes it
         resampler = av.AudioResampler(format="fltp", rate=target_sr)
         pieces, samples, limit = [], 0, int(max_seconds * target_sr)

@@ -175,3 +175,18 @@ def test_bad_audio_in_a_chat_is_a_clear_error_and_the_engine_goes_on(qwen2_audio
     with pytest.raises(InputError, match="format must be one of"):
         llm.chat(wrong_format, GREEDY, use_tqdm=False)
     assert tokens(llm, [TEXT])  # the engine still answers
+
+
+def test_audio_limits_per_prompt_and_the_processor_cache(qwen2_audio):
+    from tessera.errors import InputError
+
+    folder = qwen2_audio[0]
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="4MiB", limit_mm_per_prompt={"audio": 1})
+    two, one = requests()
+    with pytest.raises((InputError, ValueError), match="At most 1 audio"):
+        llm.generate(two, GREEDY, use_tqdm=False)
+    first = tokens(llm, [one])
+    queries, hits = llm.engine.stats()["processor_cache_queries"], llm.engine.stats()["processor_cache_hits"]
+    assert tokens(llm, [one]) == first  # the same recording again: its features come from the cache
+    stats = llm.engine.stats()
+    assert stats["processor_cache_queries"] > queries and stats["processor_cache_hits"] > hits

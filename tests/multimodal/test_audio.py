@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tessera.errors import InputError
-from tessera.multimodal.audio import as_waveform, decode_audio, resample
+from tessera.multimodal.audio import as_waveform, decode_audio, decode_audio_native, resample
 from tessera.multimodal.parse import AudioProcessorItems, MultiModalDataParser
 from testkit.audio import wav_bytes
 
@@ -78,3 +78,14 @@ def test_a_header_claiming_hours_decodes_what_is_there_and_a_long_file_is_refuse
     assert decoded.size <= 3300
     with pytest.raises(InputError, match="longer than 1 seconds"):
         decode_audio(wav_bytes(np.zeros(16000 * 3, np.float32), 16000), 16000, max_seconds=1)
+
+
+@pytest.mark.parametrize("field, value, message", [(24, 10_000_000, "invalid sample rate"), (22, 200, "200 channels")],
+                         ids=["rate", "channels"])  # fmt: skip
+def test_headers_claiming_absurd_rates_or_channels_are_refused(field, value, message):
+    data = bytearray(wav_bytes(tone(0.2, 16000), 16000))
+    data[field : field + (4 if field == 24 else 2)] = struct.pack("<I" if field == 24 else "<H", value)
+    with pytest.raises(InputError, match=message):
+        decode_audio_native(bytes(data))
+    with pytest.raises(InputError, match=message):
+        decode_audio(bytes(data), 16000)
