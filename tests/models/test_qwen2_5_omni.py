@@ -27,6 +27,7 @@ AUDIO = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 IMAGE = "<|vision_bos|><|IMAGE|><|vision_eos|>"
 VIDEO = "<|vision_bos|><|VIDEO|><|vision_eos|>"
 MAX_TOKENS = 8
+MAX_MODEL_LEN = 1024  # the start-up profile runs the longest item this allows: kept short
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 IN_VIDEO = {"use_audio_in_video": True}
 
@@ -91,7 +92,7 @@ def test_processor_matches_hf(omni, case):
     folder, _, processor, _, _ = omni
     _, prompt, data, kwargs = cases()[case]
     hf = hf_inputs(processor, prompt, data, kwargs)
-    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB")
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     ours = llm.engine.processor.apply(prompt, data, kwargs)
     assert ours["prompt_token_ids"] == hf["input_ids"][0].tolist()
     kw = ours["mm_kwargs"]
@@ -111,7 +112,7 @@ def test_positions_and_embeddings_match_hf(omni, case):
     folder, hf_model, processor, _, _ = omni
     _, prompt, data, kwargs = cases()[case]
     hf = hf_inputs(processor, prompt, data, kwargs)
-    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB")
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     inputs = llm.engine.input_preprocessor.process(request(prompt, data, kwargs), GREEDY)
     positions, delta = llm.engine.core.model.get_mrope_input_positions(inputs.token_ids, inputs.mm_items)
     hf_positions, hf_delta = hf_model.model.get_rope_index(
@@ -137,7 +138,7 @@ def test_positions_and_embeddings_match_hf(omni, case):
 
 def test_prefill_logits_match_hf(omni):
     folder, _, _, expected, _ = omni
-    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory="16MiB")
+    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     ((_, logprobs),) = greedy_logprobs(llm, [request(*cases()[0][1:])], 1, expected.shape[0])
     torch.testing.assert_close(logprobs[0], expected, atol=1e-4, rtol=0)
 
@@ -146,7 +147,7 @@ def test_prefill_logits_match_hf(omni):
 def test_greedy_tokens_match_hf_alone_and_batched(omni, options):
     folder, _, _, _, expected = omni
     requests = [request(*case[1:]) for case in cases()]
-    probe = LLM(str(folder), device="cpu", kv_cache_memory="16MiB")
+    probe = LLM(str(folder), device="cpu", kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     lengths = [len(probe.engine.input_preprocessor.process(r, GREEDY).token_ids) for r in requests]
     # 2 layers x K and V x 2 heads x 8 dims x 4 bytes = 256 bytes a token: blocks of 4 for exactly the prompts
     # batched below, so that generating needs blocks that only a preemption frees
@@ -157,7 +158,12 @@ def test_greedy_tokens_match_hf_alone_and_batched(omni, options):
         "prefix-caching": {},
         "preemption": {"kv_cache_memory": blocks * 4 * 256, "enable_prefix_caching": False, "max_model_len": 1024},
     }[options]
-    llm = LLM(str(folder), device="cpu", block_size=4, **{"kv_cache_memory": "16MiB", **kwargs})
+    llm = LLM(
+        str(folder),
+        device="cpu",
+        block_size=4,
+        **{"kv_cache_memory": "16MiB", "max_model_len": MAX_MODEL_LEN, **kwargs},
+    )
     assert [tokens(llm, [r])[0] for r in requests] == expected
     hits = llm.engine.core.block_manager.prefix_hits
     assert tokens(llm, requests) == expected  # batched: audio, video with its track, images
@@ -185,7 +191,7 @@ def test_chat_with_audio_image_and_video_parts_gets_hfs_answer(omni, tmp_path):
         {"type": "video_url", "video_url": {"url": str(video_path)}},
         {"type": "text", "text": "What is going on?"},
     ]}]  # fmt: skip
-    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB")
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     prompt = llm.render_chat(messages)
     hf_messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "image"}, {"type": "video"},
                                                 {"type": "text", "text": "What is going on?"}]}]  # fmt: skip
@@ -202,7 +208,7 @@ def test_chat_with_audio_image_and_video_parts_gets_hfs_answer(omni, tmp_path):
 
 
 def test_audio_in_video_needs_one_track_per_video(omni):
-    llm = LLM(str(omni[0]), device="cpu", kv_cache_memory="16MiB")
+    llm = LLM(str(omni[0]), device="cpu", kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     data = {"audio": [random_audio(1.0), random_audio(1.0)], "video": [clip(4, 1)]}
     with pytest.raises(InputError, match="2 audio item\\(s\\) for 1 video"):
         llm.generate(request(user(VIDEO), data, IN_VIDEO), GREEDY)
@@ -226,7 +232,7 @@ def test_a_chat_video_heard_with_its_sound_track_gets_hfs_answer_offline_and_ser
     url = "data:video/mp4;base64," + base64.b64encode(data).decode()
     messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
                                              {"type": "text", "text": "What is said?"}]}]  # fmt: skip
-    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB")
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     (output,) = llm.chat(messages, GREEDY, use_tqdm=False, mm_processor_kwargs=IN_VIDEO)
     video = decode_video(data, with_audio=True)
     track = resample(*video.audio, 16000)
@@ -242,7 +248,7 @@ def test_a_chat_video_heard_with_its_sound_track_gets_hfs_answer_offline_and_ser
     assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert output.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
 
-    engine = AsyncEngine(LLMEngine.from_options(str(folder), kv_cache_memory="16MiB"))
+    engine = AsyncEngine(LLMEngine.from_options(str(folder), kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN))
     try:
         with ServerThread(build_app(engine, model_name="omni")) as server:
             client = openai.OpenAI(base_url=server + "/v1", api_key="none")

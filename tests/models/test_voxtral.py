@@ -21,6 +21,7 @@ from testkit.generation import greedy_logprobs
 from testkit.voxtral import build_tiny_voxtral
 
 MAX_TOKENS = 8
+MAX_MODEL_LEN = 1536  # the start-up profile runs the longest item this allows: kept short
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 SHORT, LONG = wav_bytes(random_audio(1.5, seed=1)), wav_bytes(random_audio(31.0, seed=2))  # 1 and 2 chunks
 
@@ -62,7 +63,7 @@ def voxtral(tmp_path_factory):
 
 def test_chat_ids_and_features_match_hfs_processor(voxtral):
     folder, _, processor, _, _ = voxtral
-    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB")
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     hf = processor.apply_chat_template(hfs(*CHATS[0]))
     prompt = llm.render_chat(ours(*CHATS[0]))
     assert prompt["prompt_token_ids"] == hf["input_ids"][0].tolist()
@@ -93,7 +94,7 @@ def test_encoder_features_match_hf(voxtral):
 
 def test_prefill_logits_match_hf(voxtral):
     folder, _, _, expected, _ = voxtral
-    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory="16MiB")
+    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     ((_, logprobs),) = greedy_logprobs(llm, [llm.render_chat(ours(*CHATS[0]))], 1, expected.shape[0])
     torch.testing.assert_close(logprobs[0], expected, atol=1e-4, rtol=0)
 
@@ -101,7 +102,7 @@ def test_prefill_logits_match_hf(voxtral):
 @pytest.mark.parametrize("options", ["default", "chunked-prefill", "prefix-caching", "preemption"])
 def test_greedy_tokens_match_hf_alone_and_batched(voxtral, options):
     folder, _, _, _, expected = voxtral
-    probe = LLM(str(folder), device="cpu", kv_cache_memory="16MiB")
+    probe = LLM(str(folder), device="cpu", kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     prompts = [probe.render_chat(ours(*chat)) for chat in CHATS]
     text = probe.render_chat(ours(*TEXT))
     # 2 layers x K and V x 2 heads x 8 dims x 4 bytes = 256 bytes a token: blocks of 4 for exactly the two chats'
@@ -114,7 +115,12 @@ def test_greedy_tokens_match_hf_alone_and_batched(voxtral, options):
         "prefix-caching": {},
         "preemption": {"kv_cache_memory": blocks * 4 * 256, "enable_prefix_caching": False, "max_model_len": 1200},
     }[options]
-    llm = LLM(str(folder), device="cpu", block_size=4, **{"kv_cache_memory": "16MiB", **kwargs})
+    llm = LLM(
+        str(folder),
+        device="cpu",
+        block_size=4,
+        **{"kv_cache_memory": "16MiB", "max_model_len": MAX_MODEL_LEN, **kwargs},
+    )
     assert [tokens(llm, [p])[0] for p in prompts] == expected
     hits = llm.engine.core.block_manager.prefix_hits
     assert tokens(llm, [prompts[0], text, prompts[1]])[::2] == expected  # batched with a text chat
@@ -136,7 +142,7 @@ def test_transcription_is_hfs_transcription_request(voxtral):
     with torch.no_grad():
         out = hf_model.generate(**hf, max_new_tokens=MAX_TOKENS, do_sample=False)
     expected = out[0, hf["input_ids"].shape[1] :].tolist()
-    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB")
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     (window,) = llm.engine.transcriber.windows(audio, language="fr")  # Voxtral hears it whole
     assert window.prompt["prompt_token_ids"] == hf["input_ids"][0].tolist()
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -147,7 +153,7 @@ def test_transcription_is_hfs_transcription_request(voxtral):
 
 
 def test_text_prompts_cannot_carry_audio(voxtral):
-    llm = LLM(str(voxtral[0]), device="cpu", kv_cache_memory="16MiB")
+    llm = LLM(str(voxtral[0]), device="cpu", kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     with pytest.raises(InputError, match="through chat messages"):
         llm.generate({"prompt": "Listen.", "multi_modal_data": {"audio": random_audio(1.0)}}, GREEDY)
     assert tokens(llm, [llm.render_chat(ours(*TEXT))])  # the engine still answers
@@ -159,8 +165,8 @@ def test_the_server_transcribes_and_chats_as_offline(voxtral):
     from tessera.entrypoints.openai.api_server import ServerThread, build_app
 
     folder = str(voxtral[0])
-    engine = AsyncEngine(LLMEngine.from_options(folder, kv_cache_memory="16MiB"))
-    offline = LLM(folder, kv_cache_memory="16MiB")
+    engine = AsyncEngine(LLMEngine.from_options(folder, kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN))
+    offline = LLM(folder, kv_cache_memory="16MiB", max_model_len=MAX_MODEL_LEN)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     try:
         with ServerThread(build_app(engine, model_name="vox")) as url:
