@@ -25,6 +25,8 @@ from transformers import (
     Qwen2VLVideoProcessor,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeConfig,
+    Qwen3VLMoeForConditionalGeneration,
     Qwen3VLProcessor,
     Qwen3VLVideoProcessor,
 )
@@ -141,6 +143,42 @@ def build_tiny_qwen3_vl(folder, *, seed: int = 0) -> Path:
     )
 
 
+def build_tiny_qwen3_vl_moe(folder, *, seed: int = 0, released_layout: bool = False) -> Path:
+    """Qwen3-VL-MoE: build_tiny_qwen3_vl's model with 8 routed experts, top-2, width 24 in every decoder layer
+    but the first (mlp_only_layers [0]: a dense MLP). With `released_layout` the experts are written as the
+    released checkpoints hold them ([E, H, 2I] / [E, I, H]), not as transformers saves them. Returns `folder`."""
+    tokenizer = build_tokenizer("qwen")
+    text, ids = _text_config(tokenizer)
+    text.update(
+        num_hidden_layers=3, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        decoder_sparse_step=1, mlp_only_layers=[0],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                         "mrope_interleaved": True},
+    )  # fmt: skip
+    vision = dict(
+        depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+        patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        hidden_act="gelu_pytorch_tanh", num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+    )  # fmt: skip
+    config = Qwen3VLMoeConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_token_ids(ids)
+    )  # fmt: skip
+    video_processor = Qwen3VLVideoProcessor(
+        patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS * 4},
+    )  # fmt: skip
+    folder = _save(Path(folder), Qwen3VLMoeForConditionalGeneration, config, Qwen3VLProcessor, tokenizer, seed,
+                   video_processor)  # fmt: skip
+    if released_layout:
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(folder / "model.safetensors")
+        for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            weights[name] = weights[name].transpose(1, 2).contiguous()
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
 @dataclass(frozen=True)
 class MMFeature:
     """One item as the engine hands it to `get_mrope_input_positions` (vLLM's MultiModalFeatureSpec fields)."""
@@ -163,12 +201,19 @@ def mm_features(processed) -> list[MMFeature]:
 QWEN3_5_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
-def build_tiny_qwen3_5(folder, *, seed: int = 0) -> Path:
+def build_tiny_qwen3_5(folder, *, seed: int = 0, moe: bool = False) -> Path:
     """Qwen3.5: a hybrid decoder of 4 layers (Gated DeltaNet, full attention, DeltaNet, full), hidden 32;
     attention 4 heads over 2 KV heads of 16 dims, half of each rotated (interleaved M-RoPE
     sections [2, 1, 1]); DeltaNet 2 key heads serving 4 value heads of 8 dims, conv width 4. Qwen3-VL's
-    tower without DeepStack (depth 2, width 32) and processing. Write the checkpoint to `folder`; returns it."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    tower without DeepStack (depth 2, width 32) and processing. With `moe`, Qwen3.5-MoE: every MLP 8 routed
+    experts of width 24, top-2, and a shared expert of width 48 (transformers saves the experts one by one).
+    Write the checkpoint to `folder`; returns it."""
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+    )
 
     tokenizer = build_tokenizer("qwen")
     text, ids = _text_config(tokenizer)
@@ -184,11 +229,14 @@ def build_tiny_qwen3_5(folder, *, seed: int = 0) -> Path:
         patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
         hidden_act="gelu_pytorch_tanh", num_position_embeddings=16,
     )  # fmt: skip
-    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_token_ids(ids))
+    config_cls, model_cls = Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    if moe:
+        text.pop("intermediate_size")
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=48)
+        config_cls, model_cls = Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    config = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_token_ids(ids))
     video_processor = Qwen3VLVideoProcessor(
         patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
         size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS * 4},
     )  # fmt: skip
-    return _save(
-        Path(folder), Qwen3_5ForConditionalGeneration, config, Qwen3VLProcessor, tokenizer, seed, video_processor
-    )
+    return _save(Path(folder), model_cls, config, Qwen3VLProcessor, tokenizer, seed, video_processor)

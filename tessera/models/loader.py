@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -76,6 +77,8 @@ def blocks_by_layer(model: nn.Module, blocks: Mapping[str, QuantizedBlocks]) -> 
     for hf_name, value in blocks.items():
         name = _rename(hf_name, prefixes)
         fused, rows = targets.get(name, (name, slice(0, None)))
+        if not isinstance(rows, slice):  # a routed expert's part: its blocks are not kept (dequantized)
+            continue
         parts.setdefault(fused, []).append((rows.start or 0, value))
     for group in _tied_names(model).values():
         present = next((parts[name] for name in group if name in parts), None)
@@ -155,6 +158,8 @@ def load_tensors(
     shard_targets = _shard_targets(model)
     loaded: dict[str, torch.Tensor] = {}
     shards_missing = {fused: set(names) for fused, names in _shards_by_fused(shard_targets).items()}
+    adapters = {f"{n}.{p}": m for n, m in model.named_modules() if hasattr(m, "adapt_checkpoint_tensor")
+                for p, _ in m.named_parameters(recurse=False)}  # fmt: skip
     unexpected = []
     for hf_name, tensor in tensors:
         name = _rename(hf_name, getattr(model, "hf_to_tessera_prefixes", {}))
@@ -167,6 +172,8 @@ def load_tensors(
         if fused in sharded:  # tensor parallelism: this rank's slice of the checkpoint tensor
             tensor = sharded[fused].shard_weight(fused.rpartition(".")[2], tensor)
         want = expected[fused][rows].shape
+        if fused == name and fused in adapters:  # e.g. experts stored transposed
+            tensor = adapters[fused].adapt_checkpoint_tensor(fused.rpartition(".")[2], tensor, tuple(want))
         if tuple(tensor.shape) != tuple(want):
             raise ValueError(
                 f"Weight {hf_name} in {source} has shape {tuple(tensor.shape)}, but the model expects "
@@ -174,6 +181,7 @@ def load_tensors(
             )
         if fused == name:
             loaded[name] = tensor
+            shards_missing.pop(name, None)  # the whole tensor, not its parts
             continue
         if fused not in loaded:  # first shard: make room for all of them
             loaded[fused] = torch.empty(expected[fused].shape, dtype=tensor.dtype)
@@ -233,10 +241,14 @@ def _shards(folder: Path, index_name: str, pattern: str) -> list[Path]:
     return sorted(folder.glob(pattern))
 
 
-def _shard_targets(model: nn.Module) -> dict[str, tuple[str, slice]]:
-    """Checkpoint names of the projections fused into MergedLinear layers -> (fused name, rows)."""
-    targets = {}
+def _shard_targets(model: nn.Module) -> dict[str, tuple[str, Any]]:
+    """Checkpoint names of the projections fused into MergedLinear layers -> (fused name, rows); and of the parts
+    a module fuses itself (`checkpoint_parts()`: routed experts stored one at a time) -> (parameter, index)."""
+    targets: dict[str, tuple[str, Any]] = {}
     for module_name, module in model.named_modules():
+        if hasattr(module, "checkpoint_parts"):
+            for suffix, (param, index) in module.checkpoint_parts().items():
+                targets[f"{module_name}.{suffix}"] = (f"{module_name}.{param}", index)
         if isinstance(module, MergedLinear):
             parent = module_name.rpartition(".")[0]
             params = ["weight"] + (["bias"] if module.bias is not None else [])
@@ -258,7 +270,7 @@ def _sharded_params(model: nn.Module) -> dict[str, nn.Module]:
     return owners
 
 
-def _shards_by_fused(targets: Mapping[str, tuple[str, slice]]) -> dict[str, list[str]]:
+def _shards_by_fused(targets: Mapping[str, tuple[str, Any]]) -> dict[str, list[str]]:
     by_fused: dict[str, list[str]] = {}
     for name, (fused, _) in targets.items():
         by_fused.setdefault(fused, []).append(name)

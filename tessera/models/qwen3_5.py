@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig, Qwen3_5Config
+from transformers import PretrainedConfig, Qwen3_5Config, Qwen3_5MoeConfig
 
 from tessera.layers.attention import PagedAttention, get_attention_metadata
 from tessera.layers.causal_conv1d import causal_conv1d
@@ -39,6 +39,7 @@ from tessera.models.qwen3_vl import (
     Qwen3VLMultiModalProcessor,
     Qwen3VLProcessingInfo,
 )
+from tessera.models.qwen_moe import QwenSparseMoeBlock
 from tessera.multimodal import MULTIMODAL_REGISTRY
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
@@ -191,7 +192,8 @@ class Qwen3_5DecoderLayer(nn.Module):
             raise ValueError(
                 f"Unsupported Qwen3.5 layer type {layer_type!r}; supported: {LINEAR_ATTENTION}, {FULL_ATTENTION}"
             )
-        self.mlp = LlamaMLP(config)
+        # Qwen3.5-MoE: routed experts and a shared expert in every layer
+        self.mlp = QwenSparseMoeBlock(config) if getattr(config, "num_experts", 0) else LlamaMLP(config)
         self.input_layernorm = Gemma3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = Gemma3RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -256,3 +258,22 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
         self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, inputs_embeds: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         return self.language_model(input_ids, positions, inputs_embeds)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE's text model (`qwen3_5_moe_text`): the same hybrid decoder, its MLPs routed experts with a
+    shared expert (qwen_moe.py); the released files' multi-token-prediction head (`mtp.*`) is not run."""
+
+    ignored_checkpoint_prefixes = ("mtp.",)
+
+
+class Qwen3_5MoeProcessingInfo(Qwen3VLProcessingInfo):
+    def get_hf_config(self) -> Qwen3_5MoeConfig:
+        return self.ctx.get_hf_config(Qwen3_5MoeConfig)
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    Qwen3VLMultiModalProcessor, info=Qwen3_5MoeProcessingInfo, dummy_inputs=Qwen3VLDummyInputsBuilder
+)
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
+    ignored_checkpoint_prefixes = ("mtp.",)

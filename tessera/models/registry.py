@@ -33,7 +33,9 @@ _BUILTIN_MODELS = {
     "Qwen2VLForConditionalGeneration": "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration": "tessera.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "tessera.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration": "tessera.models.qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration": "tessera.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration": "tessera.models.qwen3_5:Qwen3_5MoeForConditionalGeneration",
     "Lfm2VlForConditionalGeneration": "tessera.models.lfm2_vl:Lfm2VlForConditionalGeneration",
     "Qwen2AudioForConditionalGeneration": "tessera.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
     "VoxtralForConditionalGeneration": "tessera.models.voxtral:VoxtralForConditionalGeneration",
@@ -50,6 +52,7 @@ _BUILTIN_MODELS = {
     "MistralForCausalLM": "tessera.models.mistral:MistralForCausalLM",
     "Qwen3ForCausalLM": "tessera.models.qwen3:Qwen3ForCausalLM",
     "Qwen3_5ForCausalLM": "tessera.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "tessera.models.qwen3_5:Qwen3_5MoeForCausalLM",
     "Lfm2ForCausalLM": "tessera.models.lfm2:Lfm2ForCausalLM",
     "Gemma3ForCausalLM": "tessera.models.gemma3:Gemma3ForCausalLM",
 }
@@ -64,7 +67,9 @@ _BUILTIN_TEXT_MODELS = {
     "mistral": "tessera.models.mistral:MistralForCausalLM",
     "qwen3": "tessera.models.qwen3:Qwen3ForCausalLM",
     "qwen3_vl_text": "tessera.models.qwen3_vl:Qwen3VLTextForCausalLM",  # Qwen3's, adding DeepStack features
+    "qwen3_vl_moe_text": "tessera.models.qwen3_vl_moe:Qwen3VLMoeTextForCausalLM",  # and routed experts
     "qwen3_5_text": "tessera.models.qwen3_5:Qwen3_5ForCausalLM",  # hybrid: Gated DeltaNet + gated attention
+    "qwen3_5_moe_text": "tessera.models.qwen3_5:Qwen3_5MoeForCausalLM",  # the same, with routed experts
     "lfm2": "tessera.models.lfm2:Lfm2ForCausalLM",  # hybrid: short convolutions + attention
     "gemma3_text": "tessera.models.gemma3:Gemma3ForCausalLM",
 }

@@ -1,0 +1,127 @@
+"""Routed experts (layers/fused_moe.py) and the MoE VLMs on them, against Hugging Face transformers on tiny
+checkpoints (fp32, 8 experts, top-2): Qwen3-VL-MoE (a dense first layer, then routed experts; its experts as
+transformers saves them and as the released files hold them, transposed) and Qwen3.5-MoE (a shared expert
+in every hybrid layer; experts saved one by one): prefill logits, greedy tokens alone, batched, chunked, from
+the prefix cache and under preemption; and the count of experts a step runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from tessera import LLM, SamplingParams
+from tessera.layers.fused_moe import FusedMoE, softmax_top_k
+from testkit import random_images
+from testkit.generation import greedy_logprobs
+from testkit.qwen_vl import build_tiny_qwen3_5, build_tiny_qwen3_vl_moe
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+ONE_IMAGE = f"<|im_start|>user\n{IMAGE}What colour is the circle?<|im_end|>\n<|im_start|>assistant\n"
+TEXT = "<|im_start|>user\nTell me about the experts, all of them.<|im_end|>\n<|im_start|>assistant\n"
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+BUILDERS = {
+    "qwen3_vl_moe": lambda folder: build_tiny_qwen3_vl_moe(folder),
+    "qwen3_vl_moe-released-layout": lambda folder: build_tiny_qwen3_vl_moe(folder, released_layout=True),
+    "qwen3_5_moe": lambda folder: build_tiny_qwen3_5(folder, moe=True),
+}
+
+
+def requests():
+    return [
+        {"prompt": ONE_IMAGE, "multi_modal_data": {"image": random_images([(50, 100)], seed=1)}},
+        {"prompt": TEXT},
+    ]
+
+
+def test_experts_compute_what_a_loop_over_tokens_computes():
+    """First principles: each token's output is the weighted sum of its chosen experts' gated MLPs."""
+    torch.manual_seed(0)
+    moe = FusedMoE(num_experts=8, top_k=2, hidden_size=16, intermediate_size=12)
+    with torch.no_grad():
+        moe.gate_up_proj.normal_(0, 0.3)
+        moe.down_proj.normal_(0, 0.3)
+    x, logits = torch.randn(5, 16), torch.randn(5, 8)
+    weights, ids = softmax_top_k(logits, 2)
+    assert torch.allclose(weights.sum(-1), torch.ones(5))
+    expected = torch.zeros_like(x)
+    for t in range(5):
+        for w, e in zip(weights[t], ids[t]):
+            gate, up = (moe.gate_up_proj[e] @ x[t]).chunk(2)
+            expected[t] += w * (moe.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x, weights, ids), expected)
+    assert moe.experts_run == len(set(ids.flatten().tolist())) < 8  # five tokens, top-2: some expert idle
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def moe_model(request, tmp_path_factory):
+    """(name, folder, HF's last-token log-probs for the image request, HF's greedy tokens per request)."""
+    folder = BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
+    hf_model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    expected = []
+    with torch.no_grad():
+        for i, r in enumerate(requests()):
+            images = r.get("multi_modal_data", {}).get("image")
+            inputs = processor(text=r["prompt"], images=images, return_tensors="pt")
+            if i == 0:
+                logprobs = hf_model(**inputs).logits[0, -1].log_softmax(-1)
+            out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+            expected.append(out[0, inputs["input_ids"].shape[1] :].tolist())
+    return request.param, folder, logprobs, expected
+
+
+def test_prefill_logits_match_hf(moe_model):
+    _, folder, expected, _ = moe_model
+    llm = LLM(str(folder), device="cpu", block_size=4, kv_cache_memory="4MiB")
+    ((_, logprobs),) = greedy_logprobs(llm, requests()[:1], 1, expected.shape[0])
+    torch.testing.assert_close(logprobs[0], expected, atol=1e-4, rtol=0)
+
+
+# KV bytes a token (attention layers x K and V x 2 heads x head_dim x 4 bytes) and the DeltaNet states of 4
+# sequences (Qwen3.5: 2 layers x (conv [64, 3] + recurrent [4, 8, 8]) fp32 each)
+KV_BYTES = {"qwen3_vl_moe": (3 * 2 * 2 * 8 * 4, 0), "qwen3_5_moe": (2 * 2 * 2 * 16 * 4, 4 * 2 * (64 * 3 + 256) * 4)}
+
+
+@pytest.mark.parametrize("options", ["default", "chunked-prefill", "prefix-caching", "preemption"])
+def test_greedy_tokens_match_hf_alone_and_batched(moe_model, options):
+    name, folder, _, expected = moe_model
+    probe = LLM(str(folder), device="cpu", kv_cache_memory="4MiB")
+    lengths = [len(probe.engine.input_preprocessor.process(r, GREEDY).token_ids) for r in requests()]
+    per_token, states = KV_BYTES[name.removesuffix("-released-layout")]
+    kwargs = {
+        "default": {"enable_prefix_caching": False},
+        "chunked-prefill": {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
+        "prefix-caching": {},
+        # blocks of 4 for exactly the two prompts: both start, and generating needs a block only a preemption frees
+        "preemption": {"kv_cache_memory": sum(-(-n // 4) for n in lengths) * 4 * per_token + states,
+                       "max_num_seqs": 4, "enable_prefix_caching": False},
+    }[options]  # fmt: skip
+    llm = LLM(str(folder), device="cpu", block_size=4, **{"kv_cache_memory": "4MiB", **kwargs})
+    assert [tokens(llm, [r])[0] for r in requests()] == expected
+    hits = llm.engine.core.block_manager.prefix_hits
+    assert tokens(llm, requests()) == expected  # batched: an image request and a text one
+    if options == "prefix-caching":
+        assert llm.engine.core.block_manager.prefix_hits > hits
+    if options == "preemption":
+        assert llm.engine.core.scheduler.num_preemptions > 0
+
+
+def tokens(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_a_decode_step_runs_only_the_routed_experts(moe_model):
+    """One sequence decoding: a decode step of one token runs exactly top-k experts in each MoE layer."""
+    _, folder, _, _ = moe_model
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="4MiB", enable_prefix_caching=False)
+    layers = [m for m in llm.engine.core.model.modules() if isinstance(m, FusedMoE)]
+    assert layers
+    runs = []
+    for max_tokens in (1, 6):  # the same prefill, then 5 decode steps more
+        before = [m.experts_run for m in layers]
+        llm.generate(TEXT, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        runs.append([m.experts_run - b for m, b in zip(layers, before)])
+    assert [b - a for a, b in zip(*runs)] == [5 * m.top_k for m in layers]
