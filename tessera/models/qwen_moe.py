@@ -19,6 +19,8 @@ class QwenSparseMoeBlock(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.top_k = config.num_experts_per_tok
+        # Qwen3-MoE says whether the top-k are renormalised; Qwen3-VL-MoE and Qwen3.5-MoE always do (no such field)
+        self.renormalize = bool(getattr(config, "norm_topk_prob", True))
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(config.num_experts, self.top_k, config.hidden_size, config.moe_intermediate_size,
                                 config.hidden_act)  # fmt: skip
@@ -32,7 +34,7 @@ class QwenSparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        weights, expert_ids = softmax_top_k(self.gate(x), self.top_k)
+        weights, expert_ids = softmax_top_k(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights.to(x.dtype), expert_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -51,6 +51,7 @@ _BUILTIN_MODELS = {
     "Qwen2ForCausalLM": "tessera.models.qwen2:Qwen2ForCausalLM",
     "MistralForCausalLM": "tessera.models.mistral:MistralForCausalLM",
     "Qwen3ForCausalLM": "tessera.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "tessera.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Qwen3_5ForCausalLM": "tessera.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM": "tessera.models.qwen3_5:Qwen3_5MoeForCausalLM",
     "Lfm2ForCausalLM": "tessera.models.lfm2:Lfm2ForCausalLM",
@@ -66,6 +67,7 @@ _BUILTIN_TEXT_MODELS = {
     "qwen2_5_omni_text": "tessera.models.qwen2:Qwen2ForCausalLM",  # and Qwen2.5-Omni's thinker's
     "mistral": "tessera.models.mistral:MistralForCausalLM",
     "qwen3": "tessera.models.qwen3:Qwen3ForCausalLM",
+    "qwen3_moe": "tessera.models.qwen3_moe:Qwen3MoeForCausalLM",
     "qwen3_vl_text": "tessera.models.qwen3_vl:Qwen3VLTextForCausalLM",  # Qwen3's, adding DeepStack features
     "qwen3_vl_moe_text": "tessera.models.qwen3_vl_moe:Qwen3VLMoeTextForCausalLM",  # and routed experts
     "qwen3_5_text": "tessera.models.qwen3_5:Qwen3_5ForCausalLM",  # hybrid: Gated DeltaNet + gated attention

@@ -125,3 +125,46 @@ def test_a_decode_step_runs_only_the_routed_experts(moe_model):
         llm.generate(TEXT, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
         runs.append([m.experts_run - b for m, b in zip(layers, before)])
     assert [b - a for a, b in zip(*runs)] == [5 * m.top_k for m in layers]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_text(tmp_path_factory):
+    """A tiny Qwen3-MoE text model (layer 0 dense by decoder_sparse_step 2, layer 1 routed; top-k weights not
+    renormalised, as norm_topk_prob False says), HF's greedy tokens for two prompts."""
+    from transformers import Qwen3MoeConfig
+    from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
+
+    from testkit import build_tokenizer
+    from testkit.checkpoints import save_widened_random_weights
+    from testkit.generation import hf_greedy_tokens
+
+    folder = tmp_path_factory.mktemp("qwen3_moe")
+    tokenizer = build_tokenizer("qwen")
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, decoder_sparse_step=2, norm_topk_prob=False, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    save_widened_random_weights(HFQwen3Moe, config, folder, seed=0)
+    tokenizer.save_pretrained(folder)
+    hf_model = HFQwen3Moe.from_pretrained(folder).eval()
+    prompts = ["The experts of a mixture are", "One two three four five six seven"]
+    return folder, config, prompts, hf_greedy_tokens(hf_model, tokenizer, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("case", ["default", "chunked-prefill", "prefix-caching", "preemption"])
+def test_qwen3_moe_text_greedy_tokens_match_hf(qwen3_moe_text, case):
+    from testkit.generation import assert_engine_case_happened, engine_case_options
+
+    folder, config, prompts, expected = qwen3_moe_text
+    probe = LLM(str(folder), device="cpu", kv_cache_memory="4MiB")
+    lengths = [len(probe.get_tokenizer().encode(p)) for p in prompts]
+    options = engine_case_options(case, text_config=config, prompt_lens=lengths, chunk=3)
+    llm = LLM(str(folder), device="cpu", block_size=4, **{"kv_cache_memory": "4MiB", **options})
+    assert [tokens(llm, [p])[0] for p in prompts] == expected
+    hits = llm.engine.core.block_manager.prefix_hits
+    assert tokens(llm, prompts) == expected
+    assert_engine_case_happened(llm, case, hits)
+    layers = [m for m in llm.engine.core.model.modules() if isinstance(m, FusedMoE)]
+    assert len(layers) == 1 and llm.engine.core.model.model.layers[1].mlp.renormalize is False
