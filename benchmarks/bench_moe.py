@@ -60,8 +60,7 @@ def every_expert(moe: FusedMoE) -> None:
         dense.scatter_(1, expert_ids, weights.to(hidden_states.dtype))
         out = torch.zeros_like(hidden_states)
         for expert in range(moe.num_experts):
-            gate, up = (hidden_states @ moe.gate_up_proj[expert].T).chunk(2, dim=-1)
-            out += (moe.act(gate) * up) @ moe.down_proj[expert].T * dense[:, expert : expert + 1]
+            out += moe.expert_mlp(expert, hidden_states) * dense[:, expert : expert + 1]
         return out
 
     moe.forward = forward

@@ -12,13 +12,15 @@ transposed ([E, H, 2I] / [E, I, H], Qwen3-VL-MoE's released files) or one expert
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ..distributed import get_tp_group
+from . import native_kernels
 from .activations import get_activation
+from .cpu_kernels import NATIVE, linear_kernel
 
 
 def softmax_top_k(
@@ -41,12 +43,15 @@ class FusedMoE(nn.Module):
             raise ValueError(
                 "Routed-expert layers do not split over tensor-parallel ranks yet; use tensor_parallel_size=1."
             )
-        self.num_experts, self.top_k, self.intermediate_size = num_experts, top_k, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = get_activation(activation)
         self.experts_run = 0
         """Expert MLPs run so far (each expert counted once per forward in which it got a token)."""
+        self.native: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
+        """Each expert's gate_up and down weights as Tessera's native GEMV streams them, once packed."""
 
     def forward(self, hidden_states: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H]; weights, expert_ids [T, k] (the router's choice) -> [T, H]."""
@@ -61,11 +66,33 @@ class FusedMoE(nn.Module):
             if count == 0:
                 continue
             rows = tokens[start : start + count]
-            gate, up = (hidden_states[rows] @ self.gate_up_proj[expert].T).chunk(2, dim=-1)
-            out.index_add_(0, rows, (self.act(gate) * up) @ self.down_proj[expert].T * scale[start : start + count])
+            out.index_add_(0, rows, self.expert_mlp(expert, hidden_states[rows]) * scale[start : start + count])
             start += count
             self.experts_run += 1
         return out
+
+    def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """One expert's gated MLP on x [n, H] -> [n, H]."""
+        size = self.intermediate_size
+        if self.native is not None:
+            gate_up, down = self.native
+            gate, up = native_kernels.linear(x, gate_up[expert], 2 * size).chunk(2, dim=-1)
+            return native_kernels.linear(self.act(gate) * up, down[expert], self.hidden_size)
+        gate, up = (x @ self.gate_up_proj[expert].T).chunk(2, dim=-1)
+        return (self.act(gate) * up) @ self.down_proj[expert].T
+
+    def pack_for_cpu(self, mode: Optional[str] = None) -> int:
+        """Repack every expert for Tessera's native GEMV where `linear_kernel` picks it for this dtype (what
+        pack_linears_for_cpu does for Linear layers), dropping the dense copies. Returns the weights packed."""
+        weight = self.gate_up_proj
+        if weight.device.type != "cpu" or weight.numel() == 0 or linear_kernel(weight.dtype, mode) != NATIVE:
+            return 0
+        self.native = ([native_kernels.pack(w) for w in self.gate_up_proj],
+                       [native_kernels.pack(w) for w in self.down_proj])  # fmt: skip
+        empty = torch.empty(0, dtype=weight.dtype)
+        self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
+        self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
+        return 2 * self.num_experts
 
     def checkpoint_parts(self) -> dict[str, tuple[str, Any]]:
         """Checkpoint names (below this module) of one expert's projections -> (parameter, its index there)."""

@@ -53,6 +53,12 @@ def test_experts_compute_what_a_loop_over_tokens_computes():
     with torch.no_grad():
         torch.testing.assert_close(moe(x, weights, ids), expected)
     assert moe.experts_run == len(set(ids.flatten().tolist())) < 8  # five tokens, top-2: some expert idle
+    from tessera.layers import native_kernels
+
+    if native_kernels.available():  # packed for the native GEMV, as the engine packs its CPU linears
+        assert moe.pack_for_cpu("auto") == 16 and moe.gate_up_proj.numel() == 0
+        with torch.no_grad():
+            torch.testing.assert_close(moe(x, weights, ids), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
