@@ -118,57 +118,16 @@ def build_tiny_qwen3_vl(folder, *, seed: int = 0) -> Path:
     resampled to each grid, DeepStack features from vision blocks 0 and 1 added after decoder layers
     0 and 1. Videos are sampled by the HF processor's rules unless frames are given pre-sampled.
     Write the checkpoint to `folder`; returns it."""
-    tokenizer = build_tokenizer("qwen")
-    text, ids = _text_config(tokenizer)
-    text.update(
-        num_hidden_layers=3, head_dim=8,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
-                         "mrope_interleaved": True},
-    )  # fmt: skip
-    vision = dict(
-        depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
-        patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
-        hidden_act="gelu_pytorch_tanh", num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
-    )  # fmt: skip
-    config = Qwen3VLConfig(
-        text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_token_ids(ids)
-    )  # fmt: skip
-    # Qwen3-VL's video processor bounds the pixels of the whole clip (frames x height x width)
-    video_processor = Qwen3VLVideoProcessor(
-        patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
-        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS * 4},
-    )  # fmt: skip
-    return _save(
-        Path(folder), Qwen3VLForConditionalGeneration, config, Qwen3VLProcessor, tokenizer, seed, video_processor
-    )
+    return _build_qwen3_vl(Path(folder), Qwen3VLConfig, Qwen3VLForConditionalGeneration, {}, seed)
 
 
 def build_tiny_qwen3_vl_moe(folder, *, seed: int = 0, released_layout: bool = False) -> Path:
     """Qwen3-VL-MoE: build_tiny_qwen3_vl's model with 8 routed experts, top-2, width 24 in every decoder layer
     but the first (mlp_only_layers [0]: a dense MLP). With `released_layout` the experts are written as the
     released checkpoints hold them ([E, H, 2I] / [E, I, H]), not as transformers saves them. Returns `folder`."""
-    tokenizer = build_tokenizer("qwen")
-    text, ids = _text_config(tokenizer)
-    text.update(
-        num_hidden_layers=3, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-        decoder_sparse_step=1, mlp_only_layers=[0],
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
-                         "mrope_interleaved": True},
-    )  # fmt: skip
-    vision = dict(
-        depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
-        patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
-        hidden_act="gelu_pytorch_tanh", num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
-    )  # fmt: skip
-    config = Qwen3VLMoeConfig(
-        text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_token_ids(ids)
-    )  # fmt: skip
-    video_processor = Qwen3VLVideoProcessor(
-        patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
-        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS * 4},
-    )  # fmt: skip
-    folder = _save(Path(folder), Qwen3VLMoeForConditionalGeneration, config, Qwen3VLProcessor, tokenizer, seed,
-                   video_processor)  # fmt: skip
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1,
+               mlp_only_layers=[0])  # fmt: skip
+    folder = _build_qwen3_vl(Path(folder), Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, moe, seed)
     if released_layout:
         from safetensors.torch import load_file, save_file
 
@@ -177,6 +136,30 @@ def build_tiny_qwen3_vl_moe(folder, *, seed: int = 0, released_layout: bool = Fa
             weights[name] = weights[name].transpose(1, 2).contiguous()
         save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
+
+
+def _build_qwen3_vl(folder: Path, config_cls, model_cls, text_overrides: dict, seed: int) -> Path:
+    """The tiny Qwen3-VL of build_tiny_qwen3_vl (its text config changed by `text_overrides`), saved."""
+    tokenizer = build_tokenizer("qwen")
+    text, ids = _text_config(tokenizer)
+    text.update(
+        num_hidden_layers=3, head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                         "mrope_interleaved": True},
+        **text_overrides,
+    )  # fmt: skip
+    vision = dict(
+        depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+        patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        hidden_act="gelu_pytorch_tanh", num_position_embeddings=16, deepstack_visual_indexes=[0, 1],
+    )  # fmt: skip
+    config = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **_vision_token_ids(ids))
+    # Qwen3-VL's video processor bounds the pixels of the whole clip (frames x height x width)
+    video_processor = Qwen3VLVideoProcessor(
+        patch_size=PATCH_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE, merge_size=MERGE_SIZE,
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS * 4},
+    )  # fmt: skip
+    return _save(folder, model_cls, config, Qwen3VLProcessor, tokenizer, seed, video_processor)
 
 
 @dataclass(frozen=True)
