@@ -99,11 +99,16 @@ class InputPreprocessor:
                            load_audio=self.audio_loader(load_audio),
                            audio_placeholder=self.audio_placeholder)  # fmt: skip
 
-    def hears_videos(self, mm_processor_kwargs: Optional[Mapping[str, Any]] = None) -> bool:
-        """Whether a request with these processor kwargs (over the model's) hears its videos' sound tracks
-        (Qwen2.5-Omni's use_audio_in_video, as vLLM names it): then video loaders decode the tracks too."""
+    def media_io_for(
+        self, media_io_kwargs: Optional[Mapping[str, Any]], mm_processor_kwargs: Optional[Mapping[str, Any]]
+    ) -> Optional[dict[str, Any]]:
+        """A request's media_io_kwargs, with videos decoded with their sound tracks (`with_audio`) when its
+        processor kwargs, over the model's, hear them (Qwen2.5-Omni's use_audio_in_video, as vLLM names it)."""
         merged = {**self.model_config.multimodal_config.mm_processor_kwargs, **(mm_processor_kwargs or {})}
-        return bool(merged.get("use_audio_in_video") or merged.get("load_audio_from_video"))
+        if not (merged.get("use_audio_in_video") or merged.get("load_audio_from_video")):
+            return None if media_io_kwargs is None else dict(media_io_kwargs)
+        options = dict(media_io_kwargs or {})
+        return {**options, "video": {**(options.get("video") or {}), "with_audio": True}}
 
     @property
     def takes_video(self) -> bool:

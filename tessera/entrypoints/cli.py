@@ -15,23 +15,20 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
 from ..config import AUTO_QUANTIZATION, DISTRIBUTED_EXECUTOR_BACKENDS, QUANTIZATION_METHODS
 from ..gguf_file import find_gguf_file
 from ..multimodal.media import (
-    LOCAL_FILES,
     MediaPolicy,
     check_media_io_kwargs,
-    load_audio_url,
-    load_image_url,
-    load_video_url,
 )
 from ..plugins import add_plugin_cli_arguments, plugin_options_from_cli
 from ..sampling_params import SamplingParams
 from . import bench_serve as bench_serve_module
+from .terminal_chat import chat_loop, stream_answer, user_message
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,20 +216,20 @@ def main(argv: Optional[Sequence[str]] = None, *, stdin: TextIO = sys.stdin, std
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
         if args.command == "generate":  # refuse a missing file before loading the model
-            messages = [_user_message(args.prompt, args.image, args.video, args.audio)]
+            messages = [user_message(args.prompt, args.image, args.video, args.audio)]
         if args.command == "transcribe":
             missing = [path for path in args.audio if not Path(path).is_file()]
             if missing:
                 raise ValueError(f"Audio file {missing[0]} does not exist.")
         llm = _load(_model_of(args), stdout, {**plugin_options_from_cli(args), **_mm_kwargs(args)})
         if args.command == "generate":
-            _stream_answer(llm, messages, params, stdout, args.media_io_kwargs)
+            stream_answer(llm, messages, params, stdout, args.media_io_kwargs)
         elif args.command == "transcribe":
             for result in llm.transcribe(args.audio, params, language=args.language, prompt=args.prompt,
                                          use_tqdm=False):  # fmt: skip
                 stdout.write(result.text + "\n")
         else:
-            _chat(llm, params, stdin, stdout, args.media_io_kwargs)
+            chat_loop(llm, params, stdin, stdout, args.media_io_kwargs)
     except (ValueError, OSError) as e:  # the user's input: one clear line, no traceback
         print(f"tessera: error: {e}", file=sys.stderr)
         return 1
@@ -295,110 +292,6 @@ def _load(model: Optional[str], out: TextIO, options: Optional[dict] = None) -> 
     llm = LLM(str(folder), kv_cache_memory="256MiB", **(options or {}))
     print(f"Ready in {time.perf_counter() - start:.1f} s.", file=sys.stderr, flush=True)
     return llm
-
-
-def _user_message(text: str, images: Sequence[str], videos: Sequence[str] = (), audios: Sequence[str] = ()) -> dict:
-    media = [("image", p) for p in images] + [("video", p) for p in videos] + [("audio", p) for p in audios]
-    return _message_with_media(text, media)
-
-
-def _message_with_media(text: str, media: Sequence[tuple[str, str]]) -> dict:
-    """A user message of the ("image" | "video" | "audio", path) media in the order given, then the text."""
-    parts: list[dict] = []
-    for kind, path in media:
-        if not Path(path).is_file():
-            raise ValueError(f"{kind.capitalize()} file {path} does not exist.")
-        parts.append({"type": f"{kind}_url", f"{kind}_url": {"url": str(Path(path).resolve())}})
-    parts.append({"type": "text", "text": text})
-    return {"role": "user", "content": parts}
-
-
-def stream_chat(
-    llm: Any, messages: list[dict], params: SamplingParams, media_io_kwargs: Optional[dict] = None
-) -> Iterator[str]:
-    """Yield the reply to `messages` piece by piece as the engine produces it."""
-    printed = 0
-    prompt = llm.render_chat(messages, plain_fallback=True, media_io_kwargs=media_io_kwargs)
-    for output in llm.stream(prompt, params):
-        if output.error is not None:
-            raise RuntimeError(output.error)
-        text = output.outputs[0].text
-        if len(text) > printed:
-            yield text[printed:]
-            printed = len(text)
-
-
-def _stream_answer(
-    llm: Any, messages: list[dict], params: SamplingParams, out: TextIO, media_io_kwargs: Optional[dict] = None
-) -> str:
-    answer = ""
-    for piece in stream_chat(llm, messages, params, media_io_kwargs):
-        if not answer:  # the reply usually starts with the space after "ASSISTANT:"; don't print it
-            piece = piece.lstrip()
-        answer += piece
-        out.write(piece)
-        out.flush()
-    out.write("\n")
-    return answer
-
-
-def _check_media_file(kind: str, path: str, media_io_kwargs: Optional[dict]) -> None:
-    """Load the image, video or recording at `path` as the turn will (videos sampled as `media_io_kwargs`
-    say), so that a bad file is refused when attached, not mid-turn. ValueError (InputError) if it fails."""
-    url = str(Path(path).resolve())
-    if kind == "image":
-        load_image_url(url, LOCAL_FILES)
-    elif kind == "audio":
-        load_audio_url(url, LOCAL_FILES)
-    else:
-        load_video_url(url, LOCAL_FILES, **(media_io_kwargs or {}).get("video", {}))
-
-
-def _chat(llm: Any, params: SamplingParams, stdin: TextIO, out: TextIO, media_io_kwargs: Optional[dict] = None) -> None:
-    history: list[dict] = []
-    attached: list[tuple[str, str]] = []  # ("image" | "video" | "audio", path) for the next message, in order
-    out.write(
-        "Chat with the model. /image PATH attaches an image, /video PATH a video, /audio PATH a recording, "
-        "/reset clears the history, /exit quits.\n"
-    )
-    while True:
-        out.write("> ")
-        out.flush()
-        line = stdin.readline()
-        if not line or line.strip() in ("/exit", "/quit"):
-            return
-        line = line.strip()
-        if not line:
-            continue
-        if line == "/reset":
-            history, attached = [], []
-            out.write("(history cleared)\n")
-            continue
-        command = line.split(maxsplit=1)[0]
-        if command in ("/image", "/video", "/audio"):
-            kind, path = command[1:], line[len(command) :].strip()
-            if not path:
-                out.write(f"(usage: {command} PATH)\n")
-                continue
-            try:
-                _check_media_file(kind, path, media_io_kwargs)  # refuse a bad file now, not mid-turn
-            except ValueError as e:
-                out.write(f"(not attached: {e})\n")
-            else:
-                attached.append((kind, path))
-                out.write(f"(attached {path})\n")
-            continue
-        turn = len(history)
-        try:
-            history.append(_message_with_media(line, attached))
-            answer = _stream_answer(llm, history, params, out, media_io_kwargs)
-        except Exception as e:  # e.g. too many images: report it in one line, drop the turn, keep chatting
-            del history[turn:]
-            out.write(f"(error: {e})\n")
-            continue
-        finally:
-            attached = []
-        history.append({"role": "assistant", "content": answer})
 
 
 if __name__ == "__main__":

@@ -133,9 +133,7 @@ class LLM:
         (vLLM's) to loading: {"video": {"num_frames": N, "fps": F}} samples videos so. `tools`
         (OpenAI function tools) go to the chat template; the replies are not parsed for calls."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        if self.engine.input_preprocessor.hears_videos(mm_processor_kwargs):  # their sound tracks too
-            media_io_kwargs = {**(media_io_kwargs or {})}
-            media_io_kwargs["video"] = {**media_io_kwargs.get("video", {}), "with_audio": True}
+        media_io_kwargs = self.engine.input_preprocessor.media_io_for(media_io_kwargs, mm_processor_kwargs)
         prompts = [
             self.render_chat(
                 c,

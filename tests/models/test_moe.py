@@ -55,6 +55,7 @@ def test_experts_compute_what_a_loop_over_tokens_computes():
     assert moe.experts_run == len(set(ids.flatten().tolist())) < 8  # five tokens, top-2: some expert idle
     from tessera.layers import native_kernels
 
+    assert moe.pack_for_cpu("fallback") == 0 and moe.native is None  # TESSERA_CPU_KERNELS=fallback: dense weights
     if native_kernels.available():  # packed for the native GEMV, as the engine packs its CPU linears
         assert moe.pack_for_cpu("auto") == 16 and moe.gate_up_proj.numel() == 0
         with torch.no_grad():

@@ -87,7 +87,7 @@ def build_app(
         parser = default_tool_parser(engine.chat_template)
     serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format,
                             media_io_kwargs, tool_parser=parser)  # fmt: skip
-    transcriptions = OpenAIServingTranscription(engine, metrics, model_name, media)
+    transcriptions = OpenAIServingTranscription(engine, metrics, media)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     model_path = str(engine.model_config.model)
 

@@ -130,11 +130,7 @@ class OpenAIServing:
         return await self._generate(request, prompt, "chatcmpl", chat=True, tool_parser=parser, constraint=schema)
 
     def _video_io(self, request: Any) -> Optional[dict[str, Any]]:
-        """The request's media_io_kwargs, with videos' sound tracks decoded when its processor kwargs hear them."""
-        if not self.preprocessor.hears_videos(request.mm_processor_kwargs):
-            return request.media_io_kwargs
-        options = dict(request.media_io_kwargs or {})
-        return {**options, "video": {**(options.get("video") or {}), "with_audio": True}}
+        return self.preprocessor.media_io_for(request.media_io_kwargs, request.mm_processor_kwargs)
 
     async def completion(self, request: CompletionRequest) -> Any:
         prompt = await self.completion_prompt(request.prompt)

@@ -64,8 +64,8 @@ def transcription_request(form: FormData) -> tuple[TranscriptionRequest, UploadF
 
 
 class OpenAIServingTranscription:
-    def __init__(self, engine: EngineClient, metrics: ServerMetrics, model_name: str, media: AsyncMediaLoader) -> None:
-        self.engine, self.metrics, self.model_name, self.media = engine, metrics, model_name, media
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, media: AsyncMediaLoader) -> None:
+        self.engine, self.metrics, self.media = engine, metrics, media
 
     async def transcribe(self, request: TranscriptionRequest, data: bytes) -> Any:
         """The response body: a dict (JSON), a str (text, srt, vtt) or an async iterator of events."""
