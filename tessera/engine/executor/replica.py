@@ -80,7 +80,11 @@ class ReplicaClient:
         self.dead: Optional[EngineDeadError] = None
         self.on_dead: list[Callable[[BaseException], None]] = []
         self.last_stats: dict[str, int] = {}
-        self.in_flight: set[str] = set()  # sequence ids sent and not yet finished or aborted
+        self.in_flight: set[str] = set()  # sequence ids sent and not yet finished or aborted (the load)
+        # ids whose final output the front-end has not taken yet: the reader thread empties `in_flight` a moment
+        # before it queues the outputs, so has_unfinished_requests() must follow what step() handed out
+        self.unfinished: set[str] = set()  # (kept only when this client's step() is the one reading `outputs`)
+        self._steps_itself = outputs is None
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
@@ -127,9 +131,13 @@ class ReplicaClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()
         self.in_flight.add(request.request_id)
+        if self._steps_itself:
+            self.unfinished.add(request.request_id)
         self._send(("add", request))
 
     def abort(self, request_ids: Iterable[str], *, stopped: bool = False) -> None:
+        request_ids = list(request_ids)
+        self.unfinished.difference_update(request_ids)
         ids = [i for i in request_ids if i in self.in_flight]
         if not ids:
             return
@@ -141,11 +149,13 @@ class ReplicaClient:
                 pass
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.in_flight)
+        return bool(self.unfinished)
 
     def step(self) -> list[EngineCoreOutput]:
         """The outputs that arrived, waiting for some (or a `wake()`); raises `EngineDeadError` once it died."""
-        return next_outputs(self.outputs, self._check_alive)
+        outputs = next_outputs(self.outputs, self._check_alive)
+        self.unfinished.difference_update(o.request_id for o in outputs if o.finished)
+        return outputs
 
     def wake(self) -> None:
         self.outputs.put(None)

@@ -69,6 +69,22 @@ def test_outputs_match_the_offline_api_and_arrive_step_by_step(engine, replica, 
     assert replica.info.max_model_len > 0 and engine.input_preprocessor.chat_template
 
 
+def test_a_finished_request_stays_unfinished_until_its_last_output_is_taken(replica):
+    """The reader thread marks a request done as its final output arrives; the front-end must still see it
+    unfinished until step() hands that output out (else its loop ends and the output is lost)."""
+    replica.add_request(EngineCoreRequest("quick", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True)))
+    deadline = time.monotonic() + 60
+    while replica.num_in_flight:  # finished in the child, nothing taken here yet
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert replica.has_unfinished_requests()
+    outputs = []
+    while replica.has_unfinished_requests():
+        outputs += replica.step()
+    assert outputs[-1].request_id == "quick" and outputs[-1].finished
+    assert sum(len(o.new_token_ids) for o in outputs) == 2
+
+
 def test_a_stop_string_ends_the_sequence_in_the_child(engine, replica, tiny_llava_dir):
     free = replica.stats_now()["kv_blocks_used"]
     probe = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
