@@ -278,6 +278,10 @@ class SchedulerConfig:
     """Never split an item across prefill chunks (a chunk stops before an item that does not fit
     whole). Always on for models whose item tokens attend to each other both ways (Gemma 3)."""
 
+    whole_item_modalities: Optional[tuple[str, ...]] = None
+    """With disable_chunked_mm_input, the modalities kept whole (None: all). Set by the engine for a model
+    whose items of some modalities only attend both ways (Gemma 4: images and videos, not audio)."""
+
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:

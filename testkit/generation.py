@@ -56,7 +56,12 @@ ENGINE_CASES = ("default", "chunked-prefill", "prefix-caching", "preemption")
 
 
 def kv_bytes_per_token(text_config: Any, dtype_bytes: int = 4) -> int:
-    """KV-cache bytes one token takes across the layers of a (HF) text config."""
+    """KV-cache bytes one token takes across the layers of a (HF) text config; for Gemma 4 each layer's own
+    geometry (`per_layer_config`), layers that reuse another's cache (`kv_sharing_modes`) holding none."""
+    modes = getattr(text_config, "kv_sharing_modes", None)
+    if modes is not None:
+        layers = [text_config.per_layer_config[i] for i, mode in enumerate(modes) if mode != "reuse"]
+        return sum(2 * layer.num_key_value_heads * layer.head_dim * dtype_bytes for layer in layers)
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     return text_config.num_hidden_layers * 2 * text_config.num_key_value_heads * head_dim * dtype_bytes
 

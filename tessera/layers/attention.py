@@ -32,8 +32,12 @@ class PagedAttention(nn.Module):
     `sliding_window`: a query at position p sees keys at p' > p - sliding_window only (HF's
     `sliding_window_overlay`; 1 = itself only). `logits_soft_cap`: scores become
     `cap * tanh(scores / cap)` after scaling, before masking and softmax (HF Gemma 2's eager
-    attention). Bidirectional spans come per sequence with the step's `AttentionMetadata`; every
-    layer honours them (and-ed with its window, as HF Gemma 3 does).
+    attention). Bidirectional spans come per sequence with the step's `AttentionMetadata`; a layer honours
+    them (and-ed with its window, as HF Gemma 3 does) unless built with `bidirectional_spans=False` (Gemma 4's
+    full-attention layers stay causal).
+
+    `reads_kv_of`: a layer that shares another layer's cache (Gemma 4's KV-shared layers) attends over the keys
+    and values that layer wrote and writes none; the allocator binds it to that layer's cache (kv_cache.py).
     """
 
     def __init__(
@@ -45,6 +49,8 @@ class PagedAttention(nn.Module):
         *,
         sliding_window: Optional[int] = None,
         logits_soft_cap: Optional[float] = None,
+        bidirectional_spans: bool = True,
+        reads_kv_of: Optional["PagedAttention"] = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -55,6 +61,11 @@ class PagedAttention(nn.Module):
             raise ValueError(f"logits_soft_cap must be positive, got {logits_soft_cap}")
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.bidirectional_spans = bidirectional_spans
+        if reads_kv_of is not None and (reads_kv_of.num_kv_heads, reads_kv_of.head_dim) != (num_kv_heads, head_dim):
+            raise ValueError("A layer that reads another layer's KV cache must have its kv heads and head_dim")
+        self.kv_source: tuple[PagedAttention, ...] = (reads_kv_of,) if reads_kv_of is not None else ()
+        """The layer whose cache this one reads (a tuple: not registered as a submodule)."""
         # Bound by the runner (see kv_cache.py): `cache_shape` each.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -69,22 +80,29 @@ class PagedAttention(nn.Module):
             extra += f", sliding_window={self.sliding_window}"
         if self.logits_soft_cap is not None:
             extra += f", logits_soft_cap={self.logits_soft_cap}"
+        if self.kv_source:
+            extra += ", reads another layer's KV cache"
         return extra
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k and v [T, Hkv, D] -> [T, H, D]."""
+    def forward(self, q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor]) -> torch.Tensor:
+        """q [T, H, D], k and v [T, Hkv, D] (None for a layer that reads another's cache) -> [T, H, D]."""
         metadata = get_attention_metadata()
         if self.k_cache.numel() == 0:
             raise RuntimeError("The KV cache is not allocated; call allocate_kv_cache(model, ...) first")
-        for cache, new in ((self.k_cache, k), (self.v_cache, v)):  # [num_slots, Hkv, D] views
-            cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, new.to(cache.dtype))
+        if (k is None) != bool(self.kv_source):
+            raise ValueError("A layer writes its keys and values unless it reads another layer's cache")
+        if k is not None:
+            for cache, new in ((self.k_cache, k), (self.v_cache, v)):  # [num_slots, Hkv, D] views
+                flat = cache.view(-1, self.num_kv_heads, self.head_dim)
+                flat.index_copy_(0, metadata.slot_mapping, new.to(cache.dtype))
 
         if len(metadata.decode_rows) == q.shape[0]:  # a pure decode step
             return self._decode(q, metadata)
         out = torch.empty_like(q)
         if len(metadata.decode_rows):
             out[metadata.decode_rows] = self._decode(q[metadata.decode_rows], metadata)
-        plain = self.sliding_window is None and self.logits_soft_cap is None and not metadata.bidirectional_spans
+        spans = self.bidirectional_spans and bool(metadata.bidirectional_spans)
+        plain = self.sliding_window is None and self.logits_soft_cap is None and not spans
         start = 0
         for seq, (query_len, context_len, blocks) in enumerate(
             zip(metadata.query_lens, metadata.context_lens, metadata.context_blocks)
@@ -93,7 +111,7 @@ class PagedAttention(nn.Module):
                 if plain:
                     out[start : start + query_len] = self._prefill(q[start : start + query_len], blocks, context_len)
                 else:
-                    key_start, mask = metadata.prefill_mask(seq, self.sliding_window)
+                    key_start, mask = metadata.prefill_mask(seq, self.sliding_window, spans=self.bidirectional_spans)
                     out[start : start + query_len] = self._prefill_masked(
                         q[start : start + query_len], blocks, context_len, key_start, mask
                     )

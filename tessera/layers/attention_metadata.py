@@ -135,16 +135,19 @@ class AttentionMetadata:
     def device(self) -> torch.device:
         return self.slot_mapping.device
 
-    def prefill_mask(self, seq: int, sliding_window: Optional[int] = None) -> tuple[int, Optional[torch.Tensor]]:
+    def prefill_mask(
+        self, seq: int, sliding_window: Optional[int] = None, *, spans: bool = True
+    ) -> tuple[int, Optional[torch.Tensor]]:
         """What the new tokens of sequence `seq` see: `(key_start, mask)`, the first cache position any
         of them sees and a bool `[query_len, context_len - key_start]` mask (True: visible) over the
-        keys from there on; `(0, None)` for plain causal attention over the whole context."""
-        spans = self.bidirectional_spans[seq] if self.bidirectional_spans else []
+        keys from there on; `(0, None)` for plain causal attention over the whole context. `spans=False`:
+        the sequence's bidirectional spans do not apply (a causal layer of a prefix-LM model)."""
+        spans = self.bidirectional_spans[seq] if self.bidirectional_spans and spans else []
         if sliding_window is not None and sliding_window >= self.context_lens[seq]:
             sliding_window = None  # covers every key of every query: no window
         if sliding_window is None and not spans:
             return 0, None
-        key = ("prefill", seq, sliding_window)
+        key = ("prefill", seq, sliding_window, bool(spans))
         if key not in self._masks:
             context_len = self.context_lens[seq]
             query_start = context_len - self.query_lens[seq]

@@ -24,19 +24,26 @@ def kv_window(model: nn.Module) -> Optional[int]:
 
 
 def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block costs across all layers (keys and values)."""
+    """Bytes one block costs across all layers (keys and values); a layer that reads another's cache costs none."""
     element_size = torch.empty(0, dtype=dtype).element_size()
-    return sum(2 * block_size * a.num_kv_heads * a.head_dim * element_size for a in attention_layers(model))
+    layers = [a for a in attention_layers(model) if not a.kv_source]
+    return sum(2 * block_size * a.num_kv_heads * a.head_dim * element_size for a in layers)
 
 
 def allocate_kv_cache(
     model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> None:
-    """Give every attention layer a cache of `num_blocks` blocks of `block_size` tokens."""
+    """Give every attention layer a cache of `num_blocks` blocks of `block_size` tokens; a layer that reads
+    another's cache (`kv_source`) gets that layer's tensors."""
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no PagedAttention layers")
     for layer in layers:
-        shape = layer.cache_shape(num_blocks, block_size)
-        layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        if not layer.kv_source:
+            shape = layer.cache_shape(num_blocks, block_size)
+            layer.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    for layer in layers:
+        if layer.kv_source:
+            (source,) = layer.kv_source
+            layer.k_cache, layer.v_cache = source.k_cache, source.v_cache

@@ -19,7 +19,7 @@ from torch import nn
 
 from .mrope import MRopeLayout, MRotaryEmbedding, mrope_layout
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "proportional")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,9 @@ def rope_spec(config: Any, head_dim: Optional[int], *, layer_type: Optional[str]
     theta = params.get("rope_theta") or getattr(config, "rope_theta", None)
     theta = theta or (default_theta if isinstance(default_theta, (int, float)) else 10000.0)
     factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
-    rotary_dim = int(head_dim * factor)
+    # "proportional" (Gemma 4's full layers): the first factor share of the frequencies turn, the rest are 0, over
+    # the whole head; its exponents divide by head_dim, not by the rotated share
+    rotary_dim = head_dim if rope_type == "proportional" else int(head_dim * factor)
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise ValueError(f"rotary_dim {rotary_dim} (head_dim {head_dim} x partial_rotary_factor {factor}) must be even")
     spec = RopeSpec(
@@ -85,6 +87,7 @@ _REQUIRED = {
     "dynamic": ("factor", "max_position_embeddings"),
     "yarn": ("original_max_position_embeddings",),  # factor may come from max / original
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "proportional": (),
 }
 
 
@@ -128,6 +131,11 @@ def inverse_frequencies(spec: RopeSpec) -> tuple[torch.Tensor, float]:
         factor, original = p["factor"], spec.max_position_embeddings  # HF's formula at seq_len = original
         base = spec.theta * ((factor * original / original) - (factor - 1)) ** (dim / (dim - 2))
         return 1.0 / (base**exponents), 1.0
+    if spec.rope_type == "proportional":
+        turning = int((p.get("partial_rotary_factor") or 1.0) * dim // 2)  # HF: int(proportion * head_dim // 2)
+        inv_freq = torch.zeros(dim // 2, device="cpu")  # built under torch.device("meta") too
+        inv_freq[:turning] = 1.0 / (base ** exponents[:turning])
+        return inv_freq / p.get("factor", 1.0), 1.0
     if spec.rope_type == "llama3":
         return _llama3(1.0 / (base**exponents), p, _get(spec, "original_max_position_embeddings")), 1.0
     return _yarn(spec, exponents)

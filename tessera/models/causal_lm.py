@@ -143,6 +143,9 @@ class CausalLM(nn.Module):
     """`model` maps ids or embeddings [T(, hidden)] and positions [T] to hidden states [T, hidden];
     `lm_head` maps them to logits (tied to the input embeddings if the config says so)."""
 
+    final_logit_softcapping: Optional[float] = None
+    """Logits become cap * tanh(logits / cap) when set (Gemma 2/3/4's `final_logit_softcapping`)."""
+
     supports_tensor_parallel: ClassVar[bool] = True
     """Whether the decoder's layers split over tensor-parallel ranks (heads and MLP channels); a model
     whose layers do not sets False, and loading it with tensor_parallel_size > 1 fails."""
@@ -167,4 +170,6 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab]."""
-        return self.lm_head(hidden_states)
+        logits = self.lm_head(hidden_states)
+        cap = self.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -106,10 +106,3 @@ class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config: Gemma3TextConfig) -> None:
         super().__init__(config, Gemma3TextModel(config))
         self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden_states)
-        if self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
-        return logits

@@ -78,14 +78,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); `activation` defaults to the config's `hidden_act`."""
+    """Gated MLP: down(act(gate(x)) * up(x)); `activation` defaults to the config's `hidden_act`, the width to its
+    `intermediate_size`."""
 
-    def __init__(self, config: LlamaConfig, activation: Optional[str] = None) -> None:
+    def __init__(
+        self, config: LlamaConfig, activation: Optional[str] = None, intermediate_size: Optional[int] = None
+    ) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        shards = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+        width = intermediate_size or config.intermediate_size
+        shards = {"gate_proj": width, "up_proj": width}
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, shards, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(width, config.hidden_size, bias=bias)
         self.activation = activation or config.hidden_act
         self.act = get_activation(self.activation)
 

@@ -171,7 +171,7 @@ def load_tensors(
             continue
         if fused in sharded:  # tensor parallelism: this rank's slice of the checkpoint tensor
             tensor = sharded[fused].shard_weight(fused.rpartition(".")[2], tensor)
-        want = expected[fused][rows].shape
+        want = (expected[fused][rows] if expected[fused].dim() else expected[fused]).shape  # 0-dim: clip bounds
         if fused == name and fused in adapters:  # e.g. experts stored transposed
             tensor = adapters[fused].adapt_checkpoint_tensor(fused.rpartition(".")[2], tensor, tuple(want))
         if tuple(tensor.shape) != tuple(want):

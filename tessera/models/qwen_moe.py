@@ -5,7 +5,6 @@ Qwen3VLMoeTextSparseMoeBlock and Qwen3_5MoeSparseMoeBlock."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -27,9 +26,7 @@ class QwenSparseMoeBlock(nn.Module):
         shared_size = getattr(config, "shared_expert_intermediate_size", None)
         self.shared_expert = self.shared_expert_gate = None
         if shared_size:
-            shared_config = copy.copy(config)
-            shared_config.intermediate_size = shared_size
-            self.shared_expert = LlamaMLP(shared_config)
+            self.shared_expert = LlamaMLP(config, intermediate_size=shared_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ _BUILTIN_MODELS = {
     "Idefics3ForConditionalGeneration": "tessera.models.idefics3:Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration": "tessera.models.smolvlm:SmolVLMForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "tessera.models.gemma3_mm:Gemma3ForConditionalGeneration",
+    "Gemma4ForConditionalGeneration": "tessera.models.gemma4_mm:Gemma4ForConditionalGeneration",
     "InternVLForConditionalGeneration": "tessera.models.internvl:InternVLForConditionalGeneration",
     "Mistral3ForConditionalGeneration": "tessera.models.mistral3:Mistral3ForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
@@ -56,6 +57,7 @@ _BUILTIN_MODELS = {
     "Qwen3_5MoeForCausalLM": "tessera.models.qwen3_5:Qwen3_5MoeForCausalLM",
     "Lfm2ForCausalLM": "tessera.models.lfm2:Lfm2ForCausalLM",
     "Gemma3ForCausalLM": "tessera.models.gemma3:Gemma3ForCausalLM",
+    "Gemma4ForCausalLM": "tessera.models.gemma4:Gemma4ForCausalLM",
 }
 # Language models a multimodal model builds on, by its text_config.model_type.
 _BUILTIN_TEXT_MODELS = {
@@ -74,6 +76,7 @@ _BUILTIN_TEXT_MODELS = {
     "qwen3_5_moe_text": "tessera.models.qwen3_5:Qwen3_5MoeForCausalLM",  # the same, with routed experts
     "lfm2": "tessera.models.lfm2:Lfm2ForCausalLM",  # hybrid: short convolutions + attention
     "gemma3_text": "tessera.models.gemma3:Gemma3ForCausalLM",
+    "gemma4_text": "tessera.models.gemma4:Gemma4ForCausalLM",
 }
 
 

@@ -68,6 +68,11 @@ ROPES = {
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
          "original_max_position_embeddings": 8192, "rope_theta": 500000.0}, 131072,
     ),
+    # Gemma 4's full-attention layers: a quarter of the frequencies turn, over the whole head
+    "proportional": ({"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}, 4096),
+    "proportional-factor": (
+        {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0, "rope_theta": 1e4}, 4096,
+    ),
 }  # fmt: skip
 
 
@@ -210,7 +215,6 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": 
     "rope_parameters, rope_type",
     [
         (LONGROPE, "longrope"),
-        ({"rope_type": "proportional", "partial_rotary_factor": 0.5}, "proportional"),
         ({"rope_type": "made_up_rope"}, "made_up_rope"),
     ],
 )
@@ -220,7 +224,7 @@ def test_unsupported_rope_types_are_refused_naming_type_key_and_supported(rope_p
         get_rope(config, D)
     message = str(error.value)
     assert repr(rope_type) in message and "rope_parameters" in message and "llama" in message
-    assert "default, linear, dynamic, yarn, llama3" in message
+    assert "default, linear, dynamic, yarn, llama3, proportional" in message
 
 
 def test_a_nested_unsupported_type_names_its_layer_type_key():

@@ -37,6 +37,7 @@ class EngineLimits:
     encoder_rows: int  # the most encoder rows one item may need (encoder budget and cache)
     kv_tokens: int  # tokens the whole KV cache holds
     whole_item_tokens: Optional[int] = None  # items are never split across chunks: the step's token budget
+    whole_item_modalities: Optional[tuple[str, ...]] = None  # ... items of these modalities (None: all)
 
     def check(self, token_ids: Sequence[int], mm_items: Sequence[MultiModalItem], max_tokens: Optional[int]) -> None:
         """InputError naming what of a processed prompt the engine cannot hold, and how to fix it."""
@@ -55,7 +56,8 @@ class EngineLimits:
                     f"{self.encoder_rows} ({item.num_embeds - self.encoder_rows} over); raise "
                     f"max_num_encoder_input_tokens / encoder_cache_size or send a smaller item{_SMALLER_SETTINGS}."
                 )
-            if self.whole_item_tokens is not None and item.end - item.start > self.whole_item_tokens:
+            kept_whole = self.whole_item_modalities is None or item.modality in self.whole_item_modalities
+            if self.whole_item_tokens is not None and kept_whole and item.end - item.start > self.whole_item_tokens:
                 raise InputError(
                     f"{_an(item.modality)} takes {item.end - item.start} prompt tokens, which this model prefills in "
                     f"one step, but a step holds {self.whole_item_tokens} "

@@ -128,8 +128,11 @@ class EngineCore:
         self.block_manager = BlockManager(
             num_blocks, cache_config.block_size, enable_prefix_caching=cache_config.enable_prefix_caching, states=states
         )
-        if getattr(self.model, "is_mm_prefix_lm", False):  # a chunk ending inside an image lacks its later tokens
-            scheduler_config = dataclasses.replace(scheduler_config, disable_chunked_mm_input=True)  # not the caller's
+        if getattr(self.model, "is_mm_prefix_lm", False) and not scheduler_config.disable_chunked_mm_input:
+            # a chunk ending inside an image lacks its later tokens; the caller's config object is not changed
+            modalities = getattr(self.model, "bidirectional_modalities", None)
+            scheduler_config = dataclasses.replace(scheduler_config, disable_chunked_mm_input=True,
+                                                   whole_item_modalities=modalities and tuple(modalities))  # fmt: skip
             self.scheduler_config = scheduler_config
         self.kv_window = kv_window(self.model) if cache_config.free_out_of_window_blocks else None
         self.scheduler = Scheduler(
@@ -153,6 +156,7 @@ class EngineCore:
             whole_item_tokens=(
                 scheduler_config.max_num_batched_tokens if scheduler_config.disable_chunked_mm_input else None
             ),
+            whole_item_modalities=scheduler_config.whole_item_modalities,
         )
         self.info = EngineCoreInfo(limits, self.eos_token_ids)
         self.requests: dict[str, Request] = {}  # sequence id -> its state, until it ends

@@ -74,7 +74,8 @@ def run_model(model: torch.nn.Module, inputs: ModelInputs, block_size: int, devi
         inputs_embeds = model.get_input_embeddings(input_ids)
     copy_state_rows(model, inputs.state_restores)
     with attention_metadata(metadata):
-        hidden = model(None, inputs.positions.to(device), inputs_embeds=inputs_embeds)
+        ids = input_ids if getattr(model, "takes_input_ids_with_embeds", False) else None  # Gemma 4's PLE reads them
+        hidden = model(ids, inputs.positions.to(device), inputs_embeds=inputs_embeds)
     if not inputs.sample_rows:
         return None
     return model.compute_logits(hidden[inputs.sample_rows])  # [num_sampling, vocab]

@@ -9,7 +9,7 @@ text embeddings at those positions, so an image split across chunks is encoded o
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Protocol
 
 import torch
@@ -63,6 +63,7 @@ class ModelRunner:
         # step and kept (through preemption and recomputation) until the scheduler says it ended
         self.mrope_positions: dict[str, tuple[torch.Tensor, int]] = {}
         self.is_mm_prefix_lm = bool(getattr(model, "is_mm_prefix_lm", False))
+        self.bidirectional_modalities = getattr(model, "bidirectional_modalities", None)  # None: every modality
         if workers is not None:  # the workers allocate the same cache over their heads
             workers.start_model(num_blocks, block_size, dtype)
         prepare_model_for_steps(model, num_blocks, block_size, dtype, device)
@@ -128,7 +129,8 @@ class ModelRunner:
             sample_rows=sample_rows,
             is_multimodal=torch.cat(is_multimodal) if multimodal else None,
             mm_rows=rows if multimodal else None,
-            bidirectional_spans=[_item_spans(s.request) for s in out.scheduled] if self.is_mm_prefix_lm else None,
+            bidirectional_spans=[_item_spans(s.request, self.bidirectional_modalities) for s in out.scheduled]
+            if self.is_mm_prefix_lm else None,
             state_slots=slots,
             state_restores=out.state_restores,
             state_snapshots=[(i, end - s.request.num_computed_tokens, row)
@@ -219,8 +221,10 @@ def prepare_model_for_steps(
         pack_linears_for_cpu(model)
 
 
-def _item_spans(request: Request) -> list[tuple[int, int]]:
-    """The runs of item tokens that attend to each other (prefix-LM models), one set per item: the
-    scheduler keeps each item whole in a chunk. (HF groups touching runs of two items into one;
-    prefix-LM prompts never have them, Gemma 3 wraps each image in its begin/end tokens.)"""
-    return [span for item in request.mm_items for span in item.embed_spans()]
+def _item_spans(request: Request, modalities: Optional[Sequence[str]] = None) -> list[tuple[int, int]]:
+    """The runs of item tokens that attend to each other (prefix-LM models), one set per item of `modalities`
+    (all if None; Gemma 4: images and videos, not audio): the scheduler keeps each item whole in a chunk. (HF
+    groups touching runs of two items into one; prefix-LM prompts never have them, Gemma 3 and 4 wrap each
+    picture in its begin/end tokens.)"""
+    items = [item for item in request.mm_items if modalities is None or item.modality in modalities]
+    return [span for item in items for span in item.embed_spans()]

@@ -169,7 +169,9 @@ class Scheduler:
             step.encode.append(item)
             budget_left -= item.num_embeds
         if self.config.disable_chunked_mm_input:
-            step.num_new_tokens = self._stop_before_split_item(request, start, step.num_new_tokens)
+            step.num_new_tokens = self._stop_before_split_item(
+                request, start, step.num_new_tokens, self.config.whole_item_modalities
+            )
         if step.num_new_tokens == 0:
             return None
         end = start + step.num_new_tokens
@@ -180,12 +182,14 @@ class Scheduler:
         return step
 
     @staticmethod
-    def _stop_before_split_item(request: Request, start: int, num_new: int) -> int:
-        """`num_new` cut so the chunk does not end inside an item: before the item, or nothing if
-        the chunk starts inside it (a prefix-cache hit) and cannot reach its end."""
+    def _stop_before_split_item(
+        request: Request, start: int, num_new: int, modalities: Optional[tuple[str, ...]] = None
+    ) -> int:
+        """`num_new` cut so the chunk does not end inside an item (of `modalities`; None: any): before the item,
+        or nothing if the chunk starts inside it (a prefix-cache hit) and cannot reach its end."""
         end = start + num_new
         for item in request.items_overlapping(start, end):
-            if item.end > end:
+            if item.end > end and (modalities is None or item.modality in modalities):
                 return max(0, item.start - start)
         return num_new
 
