@@ -7,7 +7,7 @@ width 768, top-2 (so 2 x 768 = 1536 active MLP width: 14 MB of expert weights re
 experts, the MoE's tokens/s come close to the dense model's; a layer that reads every expert would be ~16x
 slower in its MLPs. The dense model's decode layers run as one native call each (models/native_decode.py), the
 MoE's as eager modules, so the dense model is also timed with its layers eager. Random weights, HF's seeded
-initialisation.
+initialisation. The int8 rows quantize both models weight-only (the experts as the other linears).
 
     .venv/bin/python -m benchmarks.bench_moe [--repeats 3] [--tokens 64]
 """
@@ -89,6 +89,9 @@ def main() -> None:
     for layer in eager.engine.core.model.model.layers:
         layer._native = False  # the eager modules, as the MoE layers run today (no fused native decode layer)
     engines["dense, eager layers"] = eager
+    for kind in ("moe", "dense"):  # weight-only int8: the experts quantize as the other linears (half the bytes)
+        engines[f"{kind}, int8"] = LLM(str(FOLDERS[kind]), kv_cache_memory="64MiB", enable_prefix_caching=False,
+                                       quantization="int8")  # fmt: skip
     rates: dict[str, list[float]] = {kind: [] for kind in engines}
     for _ in range(args.repeats):
         for kind, llm in engines.items():
@@ -99,6 +102,10 @@ def main() -> None:
     print(f"MoE / dense with the same active parameters: x{medians['moe'] / medians['dense']:.2f}")
     print(f"MoE routed / every expert: x{medians['moe'] / medians['moe, every expert']:.2f}")
     print(f"MoE / dense run by the same eager modules: x{medians['moe'] / medians['dense, eager layers']:.2f}")
+    print(
+        f"int8: MoE / dense x{medians['moe, int8'] / medians['dense, int8']:.2f}; "
+        f"MoE int8 / fp32 x{medians['moe, int8'] / medians['moe']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -3,24 +3,31 @@ those experts run.
 
 Tokens are grouped by expert (one sort of the [T * k] choices), so each expert that got any token runs one
 gated-MLP matmul pair over its group; an expert with no token is never touched, which on a CPU means its
-weights are never read: decode streams only the routed experts. Weights keep transformers' in-memory layout,
-`gate_up_proj` [E, 2I, H] (the gate's rows first) and `down_proj` [E, H, I]; checkpoints may also hold them
-transposed ([E, H, 2I] / [E, I, H], Qwen3-VL-MoE's released files) or one expert at a time
-(`experts.{j}.gate_proj.weight`, Qwen3.5-MoE's), which the loader fits in (`checkpoint_parts`,
-`adapt_checkpoint_tensor`).
+weights are never read: decode streams only the routed experts.
+
+Loading: the weights keep transformers' in-memory layout, `gate_up_proj` [E, 2I, H] (the gate's rows first) and
+`down_proj` [E, H, I]; checkpoints may also hold them transposed ([E, H, 2I] / [E, I, H], Qwen3-VL-MoE's released
+files) or one expert at a time (`experts.{j}.gate_proj.weight`, Qwen3.5-MoE's), which the loader fits in
+(`checkpoint_parts`, `adapt_checkpoint_tensor`). Tensor parallelism splits each expert's intermediate size I
+over the ranks (`shard_weight`: the rank's gate, up and down slices); the partial outputs are summed once per
+layer.
+
+Running: once loaded, `split_experts()` turns each expert into two `Linear` layers (`gate_up[j]`, `down[j]`,
+views of the loaded tensors), so every kernel a Linear has serves the experts as it serves the rest of the
+model: the native GEMV and oneDNN packing (`pack_linears_for_cpu`), int8/int4 weight-only quantization
+(`quantize_linears`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..distributed import get_tp_group
-from . import native_kernels
+from ..distributed import divide, get_tp_group
 from .activations import get_activation
-from .cpu_kernels import NATIVE, linear_kernel
+from .linear import Linear
 
 
 def softmax_top_k(
@@ -39,19 +46,17 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  activation: str = "silu") -> None:  # fmt: skip
         super().__init__()
-        if get_tp_group().world_size > 1:
-            raise ValueError(
-                "Routed-expert layers do not split over tensor-parallel ranks yet; use tensor_parallel_size=1."
-            )
-        self.num_experts, self.top_k = num_experts, top_k
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.tp = get_tp_group()
+        self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = divide(intermediate_size, self.tp.world_size, "moe_intermediate_size")  # this rank's
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
         self.act = get_activation(activation)
+        self.gate_up: nn.ModuleList = nn.ModuleList()  # per expert, once split (split_experts)
+        self.down: nn.ModuleList = nn.ModuleList()
         self.experts_run = 0
         """Expert MLPs run so far (each expert counted once per forward in which it got a token)."""
-        self.native: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
-        """Each expert's gate_up and down weights as Tessera's native GEMV streams them, once packed."""
 
     def forward(self, hidden_states: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H]; weights, expert_ids [T, k] (the router's choice) -> [T, H]."""
@@ -69,30 +74,43 @@ class FusedMoE(nn.Module):
             out.index_add_(0, rows, self.expert_mlp(expert, hidden_states[rows]) * scale[start : start + count])
             start += count
             self.experts_run += 1
-        return out
+        return self.tp.all_reduce(out)  # each rank summed its slice of every expert's intermediate channels
 
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """One expert's gated MLP on x [n, H] -> [n, H]."""
-        size = self.intermediate_size
-        if self.native is not None:
-            gate_up, down = self.native
-            gate, up = native_kernels.linear(x, gate_up[expert], 2 * size).chunk(2, dim=-1)
-            return native_kernels.linear(self.act(gate) * up, down[expert], self.hidden_size)
+        """One expert's gated MLP (this rank's slice of it) on x [n, H] -> [n, H]."""
+        if len(self.gate_up):
+            gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
+            return self.down[expert](self.act(gate) * up)
         gate, up = (x @ self.gate_up_proj[expert].T).chunk(2, dim=-1)
         return (self.act(gate) * up) @ self.down_proj[expert].T
 
-    def pack_for_cpu(self, mode: Optional[str] = None) -> int:
-        """Repack every expert for Tessera's native GEMV where `linear_kernel` picks it for this dtype (what
-        pack_linears_for_cpu does for Linear layers), dropping the dense copies. Returns the weights packed."""
-        weight = self.gate_up_proj
-        if weight.device.type != "cpu" or weight.numel() == 0 or linear_kernel(weight.dtype, mode) != NATIVE:
-            return 0
-        self.native = ([native_kernels.pack(w) for w in self.gate_up_proj],
-                       [native_kernels.pack(w) for w in self.down_proj])  # fmt: skip
-        empty = torch.empty(0, dtype=weight.dtype)
+    def split_experts(self) -> None:
+        """Each expert as two `Linear` layers over views of the loaded weights, which are then dropped from this
+        module (the views keep them until a kernel repacks or quantizes each layer and frees its copy)."""
+        if len(self.gate_up) or self.gate_up_proj.device.type == "meta":
+            return
+        size, hidden = self.intermediate_size, self.hidden_size
+        for j in range(self.num_experts):
+            for layers, weight, shape in ((self.gate_up, self.gate_up_proj, (hidden, 2 * size)),
+                                          (self.down, self.down_proj, (size, hidden))):  # fmt: skip
+                with torch.device("meta"):
+                    layer = Linear(*shape, bias=False)
+                layer.weight = nn.Parameter(weight.data[j], requires_grad=False)
+                layers.append(layer)
+        empty = torch.empty(0, dtype=self.gate_up_proj.dtype, device=self.gate_up_proj.device)
         self.gate_up_proj = nn.Parameter(empty, requires_grad=False)
         self.down_proj = nn.Parameter(empty.clone(), requires_grad=False)
-        return 2 * self.num_experts
+
+    def shard_weight(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor (whole [E, 2I, H] / [E, H, I], or one expert's gate or up [I, H] / down [H, I]) ->
+        this rank's slice of the intermediate channels (of the gate and of the up half each)."""
+        world, rank = self.tp.world_size, self.tp.rank
+        if param == "down_proj":
+            return tensor.chunk(world, dim=-1)[rank]
+        if tensor.ndim == 2:  # one expert's gate or up
+            return tensor.chunk(world, dim=0)[rank]
+        gate, up = tensor.chunk(2, dim=1)
+        return torch.cat((gate.chunk(world, dim=1)[rank], up.chunk(world, dim=1)[rank]), dim=1)
 
     def checkpoint_parts(self) -> dict[str, tuple[str, Any]]:
         """Checkpoint names (below this module) of one expert's projections -> (parameter, its index there)."""
@@ -103,9 +121,20 @@ class FusedMoE(nn.Module):
             parts[f"{j}.down_proj.weight"] = ("down_proj", j)
         return parts
 
-    def adapt_checkpoint_tensor(self, param: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        """A whole expert tensor stored transposed ([E, in, out], the bmm layout) as this layer holds it."""
+    def adapt_checkpoint_tensor(self, param: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A whole expert tensor stored transposed ([E, in, out], the bmm layout) as transformers holds it (decided
+        by the whole tensor's shape, before any tensor-parallel slicing, as HF decides)."""
+        size, hidden = self.full_intermediate_size, self.hidden_size
+        shape = (self.num_experts, 2 * size, hidden) if param == "gate_up_proj" else (self.num_experts, hidden, size)
         transposed = (shape[0], shape[2], shape[1])
-        if tensor.ndim == 3 and tuple(tensor.shape) != tuple(shape) and tuple(tensor.shape) == transposed:
+        if tensor.ndim == 3 and tuple(tensor.shape) != shape and tuple(tensor.shape) == transposed:
             return tensor.transpose(1, 2)
         return tensor
+
+
+def split_experts(model: nn.Module) -> int:
+    """Split every routed-expert layer of `model` into per-expert Linears (`FusedMoE.split_experts`); how many."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for layer in layers:
+        layer.split_experts()
+    return len(layers)

@@ -172,9 +172,6 @@ def pack_linears_for_cpu(model: nn.Module, batch_size_hint: int = 16, mode: Opti
         users[id(param)] = users.get(id(param), 0) + 1
     packed = 0
     for module in model.modules():
-        if hasattr(module, "pack_for_cpu"):  # routed experts (fused_moe.py) pack their own 3-D weights
-            packed += module.pack_for_cpu(mode)
-            continue
         weight = getattr(module, "weight", None)
         if not isinstance(module, Linear) or weight is None or weight.device.type != "cpu":
             continue

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..distributed import get_tp_group
+from ..layers.fused_moe import split_experts
 from ..layers.gguf_blocks import QuantizedBlocks, concat_rows
 from ..layers.linear import Linear, MergedLinear
 from ..layers.mrope import uses_mrope
@@ -58,6 +59,7 @@ def load_model(model_config: ModelConfig) -> nn.Module:
     else:
         load_weights(model, model_config.model, allow_pickle=model_config.allow_pickle, ignore_prefixes=ignore_prefixes)
     place_parts(model, model_config)
+    split_experts(model)  # each routed expert as Linears, which the kernels and quantization below then take
     if model_config.quantization is not None:  # the language model only: vision tower and projector keep their dtype
         quantize_linears(model, model_config.quantization, skip=getattr(model, "multimodal_parts", {}).values(),
                          blocks=blocks_by_layer(model, blocks))  # fmt: skip
@@ -169,11 +171,11 @@ def load_tensors(
         if fused not in expected:
             unexpected.append(hf_name)
             continue
+        if fused == name and fused in adapters:  # e.g. experts stored transposed: laid out before any slicing
+            tensor = adapters[fused].adapt_checkpoint_tensor(fused.rpartition(".")[2], tensor)
         if fused in sharded:  # tensor parallelism: this rank's slice of the checkpoint tensor
             tensor = sharded[fused].shard_weight(fused.rpartition(".")[2], tensor)
         want = (expected[fused][rows] if expected[fused].dim() else expected[fused]).shape  # 0-dim: clip bounds
-        if fused == name and fused in adapters:  # e.g. experts stored transposed
-            tensor = adapters[fused].adapt_checkpoint_tensor(fused.rpartition(".")[2], tensor, tuple(want))
         if tuple(tensor.shape) != tuple(want):
             raise ValueError(
                 f"Weight {hf_name} in {source} has shape {tuple(tensor.shape)}, but the model expects "

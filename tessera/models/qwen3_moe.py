@@ -17,7 +17,5 @@ class Qwen3MoeModel(Qwen3Model):
 
 
 class Qwen3MoeForCausalLM(CausalLM):
-    supports_tensor_parallel = False  # the routed experts do not split over ranks yet
-
     def __init__(self, config: Any) -> None:
         super().__init__(config, Qwen3MoeModel(config))

@@ -40,4 +40,4 @@ class Qwen3VLMoeProcessingInfo(Qwen3VLProcessingInfo):
     Qwen3VLMultiModalProcessor, info=Qwen3VLMoeProcessingInfo, dummy_inputs=Qwen3VLDummyInputsBuilder
 )
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
-    supports_tensor_parallel = False  # the routed experts do not split over ranks yet
+    """Qwen3-VL's model; its text config (`qwen3_vl_moe_text`) builds the decoder with routed experts."""

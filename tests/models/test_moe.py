@@ -54,10 +54,14 @@ def test_experts_compute_what_a_loop_over_tokens_computes():
         torch.testing.assert_close(moe(x, weights, ids), expected)
     assert moe.experts_run == len(set(ids.flatten().tolist())) < 8  # five tokens, top-2: some expert idle
     from tessera.layers import native_kernels
+    from tessera.layers.linear import pack_linears_for_cpu
 
-    assert moe.pack_for_cpu("fallback") == 0 and moe.native is None  # TESSERA_CPU_KERNELS=fallback: dense weights
+    moe.split_experts()  # each expert as two Linears over the loaded weights, which the layer then drops
+    assert len(moe.gate_up) == len(moe.down) == 8 and moe.gate_up_proj.numel() == 0
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x, weights, ids), expected)
     if native_kernels.available():  # packed for the native GEMV, as the engine packs its CPU linears
-        assert moe.pack_for_cpu("auto") == 16 and moe.gate_up_proj.numel() == 0
+        assert pack_linears_for_cpu(moe, mode="auto") == 16 and all(m.weight.numel() == 0 for m in moe.gate_up)
         with torch.no_grad():
             torch.testing.assert_close(moe(x, weights, ids), expected, atol=1e-5, rtol=1e-5)
 
@@ -175,3 +179,30 @@ def test_qwen3_moe_text_greedy_tokens_match_hf(qwen3_moe_text, case):
     assert_engine_case_happened(llm, case, hits)
     layers = [m for m in llm.engine.core.model.modules() if isinstance(m, FusedMoE)]
     assert len(layers) == 1 and llm.engine.core.model.model.layers[1].mlp.renormalize is False
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_experts_compute_with_their_dequantized_weights(qwen3_moe_text, method):
+    """Experts quantize as the model's other linears do (one int8/int4 layer per expert projection, through the
+    same kernels); the MoE block then equals HF's with each expert's weights replaced by their de-quantized values
+    (int4 groups of 32 inputs: the down projections, 24 inputs wide, keep their float weights)."""
+    from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
+
+    from tessera.layers.quantization import dequantized_weight
+
+    folder, _, _, _ = qwen3_moe_text
+    llm = LLM(str(folder), device="cpu", dtype="float32", kv_cache_memory="4MiB", quantization=method)
+    block = llm.engine.core.model.model.layers[1].mlp
+    experts = block.experts
+    assert all(layer.quantization == method for layer in experts.gate_up)
+    assert all((layer.qweight is not None) == (method == "int8") for layer in experts.down)
+    hf_block = HFQwen3Moe.from_pretrained(folder).eval().model.layers[1].mlp
+    with torch.no_grad():
+        for j in range(experts.num_experts):
+            hf_block.experts.gate_up_proj[j] = dequantized_weight(experts.gate_up[j]).float()
+            if experts.down[j].qweight is not None:  # (a float layer keeps the checkpoint's weights, as HF's)
+                hf_block.experts.down_proj[j] = dequantized_weight(experts.down[j]).float()
+        x = torch.randn(7, hf_block.gate.weight.shape[1], generator=torch.Generator().manual_seed(0))
+        expected = hf_block(x[None])
+        expected = expected[0] if isinstance(expected, tuple) else expected
+        torch.testing.assert_close(block(x), expected[0], atol=1e-4, rtol=1e-4)
