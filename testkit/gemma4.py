@@ -61,8 +61,9 @@ def gemma4_tokenizer() -> PreTrainedTokenizerFast:
     )  # fmt: skip
 
 
-def gemma4_config(tokenizer: PreTrainedTokenizerFast, kind: str = "e") -> Gemma4Config:
-    """The config of a tiny checkpoint of `kind` "e" or "moe" (see the module docstring)."""
+def gemma4_config(tokenizer: PreTrainedTokenizerFast, kind: str = "e", **text_overrides) -> Gemma4Config:
+    """The config of a tiny checkpoint of `kind` "e" or "moe" (see the module docstring), its text config's fields
+    overridden by `text_overrides`."""
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOI, IMAGE, EOI, BOA, AUDIO, EOA, VIDEO)}
     text = dict(
         vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer), hidden_size=64, intermediate_size=96,
@@ -77,6 +78,7 @@ def gemma4_config(tokenizer: PreTrainedTokenizerFast, kind: str = "e") -> Gemma4
         text.update(hidden_size_per_layer_input=0, global_head_dim=32, num_global_key_value_heads=1,
                     attention_k_eq_v=True, enable_moe_block=True, num_experts=8, top_k_experts=2,
                     moe_intermediate_size=24)  # fmt: skip
+    text.update(text_overrides)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16, pooling_kernel_size=3, patch_size=16,
                   position_embedding_size=64)  # fmt: skip

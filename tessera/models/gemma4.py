@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from tessera.distributed import divide, get_tp_group
 from tessera.layers.attention import PagedAttention
 from tessera.layers.fused_moe import FusedMoE, softmax_top_k
 from tessera.layers.linear import Linear, MergedColumnParallelLinear, RowParallelLinear
@@ -61,12 +62,14 @@ class Gemma4Attention(nn.Module):
     def __init__(self, config: Any, index: int, rotary_emb: nn.Module, sliding_window: Optional[int],
                  reads_kv_of: Optional[PagedAttention] = None) -> None:  # fmt: skip
         super().__init__()
-        geometry = config.per_layer_config[index]
-        self.num_heads, self.head_dim = config.num_attention_heads, geometry.head_dim
-        self.num_kv_heads = geometry.num_key_value_heads
+        geometry, tp = config.per_layer_config[index], get_tp_group().world_size
+        self.head_dim = geometry.head_dim  # with tensor parallelism each rank holds its share of the heads
+        self.num_heads = divide(config.num_attention_heads, tp, "num_attention_heads")
+        self.num_kv_heads = divide(geometry.num_key_value_heads, tp, f"layer {index}'s num_key_value_heads")
         sliding = layer_types_of(config)[index] == SLIDING
         self.values_are_keys = bool(config.attention_k_eq_v) and not sliding
-        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_width = config.num_attention_heads * self.head_dim
+        kv_width = geometry.num_key_value_heads * self.head_dim
         shards = {"q_proj": q_width}
         if reads_kv_of is None:
             shards["k_proj"] = kv_width
@@ -218,7 +221,6 @@ class Gemma4TextModel(nn.Module):
 
 
 class Gemma4ForCausalLM(CausalLM):
-    supports_tensor_parallel = False  # per-layer geometry, PLE and routed experts do not split over ranks yet
     takes_input_ids_with_embeds = True  # the per-layer embeddings look the ids up (model_inputs.run_model)
 
     def __init__(self, config: Any) -> None:

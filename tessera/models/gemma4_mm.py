@@ -33,7 +33,6 @@ from tessera.multimodal import MULTIMODAL_REGISTRY
     Gemma4MultiModalProcessor, info=Gemma4ProcessingInfo, dummy_inputs=Gemma4DummyInputsBuilder
 )
 class Gemma4ForConditionalGeneration(nn.Module, SupportsMultiModal):
-    multimodal_parts = {"vision": "vision_tower", "projector": "embed_vision"}
     takes_input_ids_with_embeds = True  # the per-layer embeddings look the ids up
     bidirectional_modalities = ("image", "video")  # which items' runs attend both ways, when is_mm_prefix_lm
     hf_to_tessera_prefixes = {
@@ -62,6 +61,9 @@ class Gemma4ForConditionalGeneration(nn.Module, SupportsMultiModal):
             self.audio_tower = Gemma4AudioModel(config.audio_config)
             self.embed_audio = Gemma4MultimodalEmbedder.from_configs(config.audio_config, text)
         self.language_model = ModelRegistry.build_language_model(config)
+        parts = {"vision": "vision_tower", "projector": "embed_vision", "audio": "audio_tower",
+                 "audio_projector": "embed_audio"}  # fmt: skip
+        self.multimodal_parts = {key: name for key, name in parts.items() if getattr(self, name) is not None}
         self.placeholder_ids = [config.image_token_id, config.video_token_id, config.audio_token_id]
         self.pad_token_id = text.pad_token_id
         unused = self.language_model.model.unused_checkpoint_names

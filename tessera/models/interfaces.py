@@ -25,7 +25,8 @@ class SupportsMultiModal:
 
     multimodal_parts: ClassVar[Mapping[str, str]] = {}
     """Attribute names of the parts that may get their own dtype and device, under the keys
-    "vision" (the vision tower) and "projector"."""
+    "vision" (the vision tower) and "projector"; weight quantization leaves every part named here alone (an
+    audio tower too, under any other key)."""
 
     is_mm_prefix_lm: ClassVar[bool] = False
     """The tokens of one item attend to each other both ways (Gemma 3, PaliGemma): the engine

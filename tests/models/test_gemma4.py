@@ -180,3 +180,66 @@ def test_the_text_only_model_matches_hf(tmp_path, kind):
         hf_last = hf_model(torch.tensor([tokenizer.encode(prompts[0])])).logits[0, -1].log_softmax(-1)
     ((_, logprobs),) = greedy_logprobs(llm, prompts[:1], 1, hf_last.shape[0])
     torch.testing.assert_close(logprobs[0], hf_last, atol=1e-4, rtol=0)
+
+
+def test_int8_quantizes_the_language_model_only(gemma4):
+    """Weight-only int8: the decoder's linears (experts included) quantize, the towers and embedders do not, and
+    the media conversation still runs."""
+    from tessera.layers.linear import Linear
+
+    kind, folder, _, _, _ = gemma4
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="8MiB", quantization="int8")
+    model = llm.engine.core.model
+    decoder = [m for m in model.language_model.modules() if isinstance(m, Linear)]
+    assert decoder and all(m.qweight is not None for m in decoder)
+    for part in ("vision_tower", "embed_vision", "audio_tower", "embed_audio"):
+        if getattr(model, part) is not None:
+            assert all(m.qweight is None for m in getattr(model, part).modules() if isinstance(m, Linear))
+    assert len(tokens(llm, requests(kind)[:1])[0]) == MAX_TOKENS
+
+
+def test_a_chat_with_image_video_and_audio_parts_gets_hfs_answer(gemma4, tmp_path):
+    """`LLM.chat` with image_url, video_url (an 8-frame file at 2 fps: the processor samples 4 frames, stamped
+    00:00 .. 00:03) and input_audio parts renders the model's chat template as HF's processor does and answers
+    as HF does on the same media."""
+    import base64
+
+    from PIL import Image
+    from transformers.video_utils import VideoMetadata
+
+    from testkit import video_bytes
+    from testkit.audio import wav_bytes
+
+    kind, folder, processor, _, _ = gemma4
+    image_path, video_path = tmp_path / "a.png", tmp_path / "v.mp4"
+    random_images([(70, 50)], seed=8)[0].save(image_path)
+    video_path.write_bytes(video_bytes(num_frames=8, width=64, height=48, fps=2))
+    content = [{"type": "image_url", "image_url": {"url": str(image_path)}},
+               {"type": "video_url", "video_url": {"url": str(video_path)}}]  # fmt: skip
+    hf_content = [{"type": "image"}, {"type": "video"}]
+    if kind == "e":
+        recording = base64.b64encode(wav_bytes(random_audio(1.1, seed=9))).decode()
+        content.append({"type": "input_audio", "input_audio": {"data": recording, "format": "wav"}})
+        hf_content.append({"type": "audio"})
+    messages = [{"role": "user", "content": [*content, {"type": "text", "text": "What happens?"}]}]
+    hf_messages = [{"role": "user", "content": [*hf_content, {"type": "text", "text": "What happens?"}]}]
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="8MiB")
+    prompt = llm.render_chat(messages)
+    hf_text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    assert prompt["prompt"] == hf_text.removeprefix("<s>")  # the BOS the template writes comes from tokenizing
+    (video,) = prompt["multi_modal_data"]["video"]
+    kwargs = dict(
+        images=[Image.open(image_path)], videos=[video.frames], video_metadata=[VideoMetadata(**video.metadata)]
+    )
+    if kind == "e":
+        ((waveform, rate),) = prompt["multi_modal_data"]["audio"]
+        assert rate == 16000
+        kwargs["audio"] = [waveform]
+    inputs = processor(text=prompt["prompt"], return_tensors="pt", **kwargs)
+    assert "00:03" in processor.tokenizer.decode(inputs["input_ids"][0])
+    hf_model = Gemma4ForConditionalGeneration.from_pretrained(folder).eval()
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+    (output,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert output.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -1,7 +1,8 @@
 """Tensor parallelism over local worker processes (gloo, CPU, fp32): two ranks give every step's logits
 within 1e-4 of one rank and the same greedy tokens, on the tiny LLaVA (images, chunked prefill inside an
 image) and on tiny text backbones (Llama, Qwen3 with q/k norms and windows, Gemma 3 with its scaled
-embedding and soft-capping; preemption). A killed worker fails the engine loudly and at once."""
+embedding and soft-capping; preemption), and on routed experts (Qwen3-MoE, Qwen3-VL-MoE with its experts stored
+transposed). A killed worker fails the engine loudly and at once."""
 
 from __future__ import annotations
 
@@ -75,6 +76,55 @@ def test_two_ranks_match_one_on_text_backbones(tmp_path, name):
     hf_cls, config_cls, overrides = TEXT_MODELS[name]
     folder = build_tiny_text_model(tmp_path, hf_cls, config_cls, **overrides)
     compare(folder, TEXT_PROMPTS, kv_cache_memory="4MiB", block_size=4)
+
+
+def test_two_ranks_match_one_on_routed_experts(tmp_path):
+    """Qwen3-MoE (8 experts, top 2, every layer routed): each rank runs its half of every expert's intermediate
+    channels, the halves summed once per layer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from testkit.checkpoints import save_widened_random_weights
+    from testkit.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer("llava")
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    save_widened_random_weights(Qwen3MoeForCausalLM, config, tmp_path, seed=0)
+    tokenizer.save_pretrained(tmp_path)
+    compare(tmp_path, TEXT_PROMPTS, kv_cache_memory="4MiB", block_size=4)
+
+
+def test_two_ranks_match_one_on_qwen3_vl_moe_as_released(tmp_path):
+    """Qwen3-VL-MoE with its experts stored transposed as in the released files: each rank takes its slice after
+    the tensor is laid out as transformers holds it."""
+    from testkit.qwen_vl import build_tiny_qwen3_vl_moe
+
+    folder = build_tiny_qwen3_vl_moe(tmp_path, released_layout=True)
+    image = (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    prompts = [{"prompt": image, "multi_modal_data": {"image": random_images([(50, 100)], seed=1)}}, "Hello there"]
+    compare(folder, prompts, kv_cache_memory="4MiB", block_size=4)
+
+
+@pytest.mark.parametrize("kind", ["e", "moe"])
+def test_two_ranks_match_one_on_gemma4(tmp_path, kind):
+    """Gemma 4's decoder (testkit/gemma4.py; the MoE shape with 2 KV heads on its full layers so they split): each
+    rank its heads of every layer's own geometry, the KV-shared layers reading their rank's store layer, the
+    per-layer embeddings whole on each rank, the experts' channels split."""
+    from transformers import Gemma4ForCausalLM
+
+    from testkit.checkpoints import save_widened_random_weights
+    from testkit.gemma4 import gemma4_config, gemma4_tokenizer
+
+    tokenizer = gemma4_tokenizer()
+    overrides = {"num_global_key_value_heads": 2} if kind == "moe" else {}
+    save_widened_random_weights(Gemma4ForCausalLM, gemma4_config(tokenizer, kind, **overrides).text_config, tmp_path, 0)
+    tokenizer.save_pretrained(tmp_path)
+    compare(tmp_path, TEXT_PROMPTS, kv_cache_memory="4MiB", block_size=4)
 
 
 def test_two_ranks_match_one_under_preemption(tmp_path):
