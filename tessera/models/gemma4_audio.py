@@ -34,11 +34,6 @@ def num_audio_tokens(num_valid_frames: int) -> int:
     return (num_valid_frames + 3) // 4  # ceil(ceil(n / 2) / 2): each stride-2 convolution keeps mask[::2]
 
 
-def token_mask(input_features_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] valid mel frames -> [B, ceil(T / 4)] valid positions after the two stride-2 convolutions."""
-    return input_features_mask[:, ::4]
-
-
 def _clip(x: torch.Tensor, limit: float) -> torch.Tensor:
     """transformers' `gradient_clipping` clamp, bounded by the dtype's range so it never overflows."""
     limit = min(limit, torch.finfo(x.dtype).max)

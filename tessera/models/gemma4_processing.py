@@ -21,6 +21,7 @@ from transformers import BatchFeature, Gemma4Config, Gemma4Processor
 from transformers.video_utils import VideoMetadata
 
 from tessera.errors import InputError
+from tessera.models.gemma4_audio import num_audio_tokens
 from tessera.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargs
 from tessera.multimodal.parse import MultiModalDataItems, MultiModalDataParser, VideoProcessorItems, bare_video_metadata
 from tessera.multimodal.processing import (
@@ -38,11 +39,6 @@ DEFAULT_FPS = 24  # what Gemma4Processor assumes for frames without a frame rate
 
 def frame_time(seconds: float) -> str:
     return f"{int(seconds // 60):02d}:{int(seconds % 60):02d}"
-
-
-def audio_tokens(valid_frames: int) -> int:
-    """Soft tokens of `valid_frames` mel frames: every other frame kept, twice (Gemma4Processor's count)."""
-    return len(range(0, len(range(0, valid_frames, 2)), 2))
 
 
 class Gemma4ProcessingInfo(BaseProcessingInfo):
@@ -209,7 +205,7 @@ class Gemma4MultiModalProcessor(BaseMultiModalProcessor[Gemma4ProcessingInfo]):
         most = self.info.get_hf_processor().audio_seq_length if "audio" in mm_items else 0
 
         def audio(i: int) -> PromptUpdateDetails:
-            n = audio_tokens(int(torch.as_tensor(items("audio")[i]["input_features_mask"].data).sum()))
+            n = num_audio_tokens(int(torch.as_tensor(items("audio")[i]["input_features_mask"].data).sum()))
             if n > most:  # what the engine plans for (the processor's cap; the feature extractor cuts at 30 s)
                 raise InputError(f"An audio clip gives {n} soft tokens, more than this model's processor takes "
                                  f"({most}, audio_seq_length); send a shorter clip.")  # fmt: skip
