@@ -20,7 +20,7 @@ model: the native GEMV and oneDNN packing (`pack_linears_for_cpu`), int8/int4 we
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -37,6 +37,24 @@ def softmax_top_k(
     their sum when `renormalize` (Qwen3-MoE, Qwen3.5-MoE, Gemma 4)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def sigmoid_top_k(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool = True,
+    correction_bias: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) of sigmoid scoring (DeepSeek-V3, GLM-4.5 routers): each expert's
+    score is sigmoid(logit) on its own; `correction_bias` [E] (e_score_correction_bias) shifts which experts are
+    chosen but not their weights; the chosen scores divided by their sum when `renormalize`."""
+    scores = torch.sigmoid(router_logits.float())
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids

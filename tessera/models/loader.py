@@ -9,6 +9,7 @@ user allows them explicitly; even then they are read with `weights_only=True`.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from ..layers.quantization import quantize_linears
 from .causal_lm import CausalLM
 from .interfaces import supports_mrope
 from .registry import ModelRegistry
+
+logger = logging.getLogger(__name__)
 
 # Tensors some checkpoints carry that no model needs (recomputed buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "embeddings.position_ids")
@@ -65,7 +68,33 @@ def load_model(model_config: ModelConfig) -> nn.Module:
                          blocks=blocks_by_layer(model, blocks))  # fmt: skip
     if hasattr(model, "finish_loading"):
         model.finish_loading(model_config)
+    parts = weight_bytes(model)
+    logger.info("Weights: %.1f MiB (%s)", parts.pop("total") / 2**20,
+                ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in parts.items()))  # fmt: skip
     return model.eval()
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes the loaded weights take (parameters and buffers, quantized ones as stored, each tensor once):
+    "total", each multimodal part's, and the per-layer embedding tables' (Gemma 4's PLE: a large table of which
+    a step reads a few rows)."""
+    def size(module: nn.Module, seen: set) -> int:
+        total = 0
+        for tensor in [*module.parameters(), *module.buffers()]:
+            key = (tensor.data_ptr(), tensor.numel())
+            if tensor.numel() and key not in seen:
+                seen.add(key)
+                total += tensor.numel() * tensor.element_size()
+        return total
+
+    out = {"total": size(model, set())}
+    for part in getattr(model, "multimodal_parts", {}).values():
+        out[part] = size(getattr(model, part), set())
+    tables = [m for name, m in model.named_modules() if name.endswith("embed_tokens_per_layer")]
+    if tables:
+        seen: set = set()
+        out["per-layer embeddings"] = sum(size(table, seen) for table in tables)
+    return out
 
 
 def blocks_by_layer(model: nn.Module, blocks: Mapping[str, QuantizedBlocks]) -> dict[str, QuantizedBlocks]:

@@ -243,3 +243,23 @@ def test_a_chat_with_image_video_and_audio_parts_gets_hfs_answer(gemma4, tmp_pat
     (output,) = llm.chat(messages, GREEDY, use_tqdm=False)
     assert output.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert output.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def test_the_weight_log_counts_the_per_layer_embeddings(gemma4, caplog):
+    """The loader logs what the weights take: all of them (as many bytes as HF's state dict holds, each tensor once)
+    and the per-layer embedding tables (vocab x layers x P floats), which Gemma 4's E models spend most of it on."""
+    import logging
+
+    kind, folder, _, _, _ = gemma4
+    hf_model = Gemma4ForConditionalGeneration.from_pretrained(folder)
+    unique = {(t.data_ptr(), t.numel()): t.numel() * t.element_size() for t in hf_model.state_dict().values()}
+    with caplog.at_level(logging.INFO, logger="tessera.models.loader"):
+        LLM(str(folder), device="cpu", kv_cache_memory="8MiB")
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Weights:")]
+    assert line.startswith(f"Weights: {sum(unique.values()) / 2**20:.1f} MiB (")
+    text = hf_model.config.text_config
+    if kind == "e":
+        table = text.vocab_size_per_layer_input * text.num_hidden_layers * text.hidden_size_per_layer_input * 4
+        assert f"per-layer embeddings {table / 2**20:.1f} MiB" in line
+    else:
+        assert "per-layer" not in line

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from tessera import LLM, SamplingParams
-from tessera.layers.fused_moe import FusedMoE, softmax_top_k
+from tessera.layers.fused_moe import FusedMoE, sigmoid_top_k, softmax_top_k
 from testkit import random_images
 from testkit.generation import greedy_logprobs
 from testkit.qwen_vl import build_tiny_qwen3_5, build_tiny_qwen3_vl_moe
@@ -206,3 +206,17 @@ def test_quantized_experts_compute_with_their_dequantized_weights(qwen3_moe_text
         expected = hf_block(x[None])
         expected = expected[0] if isinstance(expected, tuple) else expected
         torch.testing.assert_close(block(x), expected[0], atol=1e-4, rtol=1e-4)
+
+
+def test_sigmoid_scoring_chooses_by_biased_scores_and_weights_by_plain_ones():
+    """First principles for sigmoid routers: the k best of sigmoid(logit) + bias are chosen, each weighted by its
+    unbiased sigmoid score, renormalised over the k when asked."""
+    logits = torch.tensor([[2.0, 0.0, -1.0, 1.0]])
+    bias = torch.tensor([0.0, 0.9, 0.0, 0.0])  # lifts expert 1 (0.5 + 0.9) above expert 3 (0.73)
+    weights, ids = sigmoid_top_k(logits, 2, renormalize=False, correction_bias=bias)
+    assert ids.tolist() == [[1, 0]]
+    torch.testing.assert_close(weights, torch.sigmoid(torch.tensor([[0.0, 2.0]])))
+    weights, ids = sigmoid_top_k(logits, 2)
+    expected = torch.sigmoid(torch.tensor([2.0, 1.0]))
+    assert ids.tolist() == [[0, 3]]
+    torch.testing.assert_close(weights[0], expected / expected.sum())
