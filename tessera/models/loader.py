@@ -78,6 +78,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes the loaded weights take (parameters and buffers, quantized ones as stored, each tensor once):
     "total", each multimodal part's, and the per-layer embedding tables' (Gemma 4's PLE: a large table of which
     a step reads a few rows)."""
+
     def size(module: nn.Module, seen: set) -> int:
         total = 0
         for tensor in [*module.parameters(), *module.buffers()]:
