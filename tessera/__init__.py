@@ -8,7 +8,8 @@ configure_logging()
 
 from .entrypoints.llm import LLM  # noqa: E402
 from .models import ModelRegistry  # noqa: E402
-from .outputs import CompletionOutput, RequestOutput  # noqa: E402
+from .outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput  # noqa: E402
+from .pooling_params import PoolerConfig, PoolingParams  # noqa: E402
 from .sampling_params import SamplingParams  # noqa: E402
 
 # A 1.55M-parameter LLaVA trained from scratch on synthetic shapes (tools/train_tiny_demo_model.py): the
@@ -28,6 +29,6 @@ def __getattr__(name: str):
 
 __version__ = "0.1.0"
 __all__ = [
-    "DEMO_MODEL", "LLM", "TINY_DEMO_MODEL", "CompletionOutput", "ModelRegistry", "RequestOutput", "SamplingParams",
-    "__version__",
+    "DEMO_MODEL", "LLM", "TINY_DEMO_MODEL", "CompletionOutput", "EmbeddingRequestOutput", "ModelRegistry",
+    "PoolerConfig", "PoolingParams", "RequestOutput", "SamplingParams", "__version__",
 ]  # fmt: skip

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -63,10 +63,34 @@ class RequestOutput:
     error_status: int = 500
     """The HTTP status of that failure: 500, the engine's fault; 400, the request's own inputs could not
     run (e.g. processor settings whose output does not fit the model)."""
+    pooled: Optional[Any] = None
+    """A pooling request's result (a float32 tensor: [hidden] or, pooling every token, [tokens, hidden])."""
 
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list
+    """The vector (list of floats), or one per token for a multi-vector model (pooling "ALL")."""
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt, as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_output(cls, output: RequestOutput) -> "EmbeddingRequestOutput":
+        if output.pooled is None:
+            raise RuntimeError(output.error or f"Request {output.request_id} ended without an embedding")
+        return cls(output.request_id, output.prompt_token_ids, EmbeddingOutput(output.pooled.tolist()))
 
 
 @dataclass

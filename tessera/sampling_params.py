@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
+from .pooling_params import PoolingParams
+
 _GREEDY_EPSILON = 1e-5
 _SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes (n outputs use seed + index)
 
@@ -129,6 +131,10 @@ class SamplingParams:
 
     structured_outputs: Optional[StructuredOutputsParams] = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar (a dict is converted)."""
+
+    pooling: Optional[PoolingParams] = None
+    """A pooling request (`LLM.embed`, `/v1/embeddings` on a `runner="pooling"` model): the prompt's pooled final
+    hidden states instead of tokens (`RequestOutput.pooled`); nothing is generated."""
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, TypeVar
 
@@ -260,3 +260,23 @@ class AsyncEngine:
                 fn(*args)
             except Exception:  # e.g. an abort racing a finish; never let it stop the engine
                 logger.exception("Engine call %s failed", getattr(fn, "__name__", fn))
+
+
+async def all_finished(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """Each stream's final output; if one fails (or the caller is cancelled) the others are aborted."""
+
+    async def last(stream: RequestStream) -> RequestOutput:
+        final = None
+        async for output in stream:
+            final = output
+        assert final is not None
+        return final
+
+    tasks = [asyncio.ensure_future(last(stream)) for stream in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task, stream in zip(tasks, streams):
+            task.cancel()
+            stream.abort()
+        raise

@@ -102,6 +102,7 @@ class LLMEngine:
         ValueError and leaves the engine as it was."""
         if request_id in self.output_processor:
             raise InputError(f"Request id {request_id!r} is already in use")
+        self._check_runner(params)
         inputs = self.process_inputs(prompt, params)
         requests = core_requests(request_id, inputs, params, self.max_model_len, arrival_time or time.monotonic())
         self.output_processor.add(
@@ -113,6 +114,19 @@ class LLMEngine:
         except BaseException:  # e.g. a replica that died: nothing of the request stays behind
             self.abort_request(request_id)
             raise
+
+    def _check_runner(self, params: SamplingParams) -> None:
+        """Generation needs the generate runner, pooling the pooling runner (and dimensions the model has)."""
+        pooling = params.pooling
+        if self.model_config.runner == "pooling" and pooling is None:
+            raise InputError("This model runs as an embedding model (runner='pooling'): it does not generate; "
+                             "use LLM.embed or /v1/embeddings, or load it with runner='generate'.")  # fmt: skip
+        if self.model_config.runner != "pooling" and pooling is not None:
+            raise InputError("Embeddings need the model loaded as one: LLM(model, runner='pooling') or "
+                             "`tessera serve MODEL --runner pooling`.")  # fmt: skip
+        hidden = self.model_config.hf_config.get_text_config().hidden_size
+        if pooling is not None and pooling.dimensions is not None and pooling.dimensions > hidden:
+            raise InputError(f"dimensions {pooling.dimensions} exceeds the model's embedding size {hidden}.")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free what it holds; it produces no further output."""

@@ -38,6 +38,7 @@ class _Sequence:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     status: Optional[RequestStatus] = None
     stop_reason: Optional[object] = None
+    pooled: Optional[Any] = None  # a pooling request's result
 
     @property
     def finished(self) -> bool:
@@ -104,6 +105,9 @@ class OutputProcessor:
                 result.aborted += [other for other in others if other != sequence.request_id]
                 self.fail(request_id, core_output.error, core_output.error_status)
                 continue
+            if core_output.pooled is not None:  # a pooling request: its result, no tokens
+                sequence.pooled, sequence.status = core_output.pooled, core_output.status
+                continue
             try:
                 if self._add_tokens(sequence, core_output):
                     result.stopped.append(sequence.request_id)
@@ -153,7 +157,7 @@ class OutputProcessor:
         ]
         inputs = tracked.inputs
         output = RequestOutput(request_id, inputs.prompt, list(inputs.token_ids), outputs, error=tracked.error,
-                               error_status=tracked.error_status)  # fmt: skip
+                               error_status=tracked.error_status, pooled=tracked.sequences[0].pooled)  # fmt: skip
         if output.finished:
             self.forget(request_id)
         return output

@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-images-per-prompt", type=int, default=None, metavar="N", help="refuse prompts with more")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     serve.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default 1GiB)")
+    serve.add_argument("--runner", choices=["generate", "pooling"], default="generate",
+                       help="pooling: serve /v1/embeddings with the model's pooled hidden states (default generate)")
+    serve.add_argument("--pooler-config", type=_json_object, default=None, metavar="JSON",
+                       help='how a pooling model pools, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+                       "(default: the folder's sentence-transformers modules.json, else the last token, normalized)")
     serve.add_argument("--max-request-bytes", type=int, default=32 * 2**20, help="larger bodies get 413")
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                        help="engine replicas, each a process of its own, routed by image (default 1)")  # fmt: skip
@@ -275,6 +280,7 @@ def _serve(args: argparse.Namespace) -> int:
                      max_request_bytes=args.max_request_bytes, kv_cache_memory=args.kv_cache_memory,
                      media_io_kwargs=args.media_io_kwargs, tool_call_parser=args.tool_call_parser,
                      data_parallel_size=args.data_parallel_size, shutdown_timeout=args.shutdown_timeout,
+                     runner=args.runner, **({"pooler_config": args.pooler_config} if args.pooler_config else {}),
                      **plugin_options_from_cli(args), **_mm_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)

@@ -22,7 +22,8 @@ from ..multimodal.media import (
     load_video_url,
     read_media_bytes,
 )
-from ..outputs import RequestOutput, TranscriptionOutput
+from ..outputs import EmbeddingRequestOutput, RequestOutput, TranscriptionOutput
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 
 
@@ -78,6 +79,19 @@ class LLM:
                     finished[output.request_id] = output
                     bar.update(1)
         return [finished[i] for i in ids]
+
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[PoolingParams] = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of every prompt (prompts as `generate` takes them, images too), for a model loaded
+        with runner="pooling"; in prompt order. `pooling_params`: dimensions (Matryoshka), normalize."""
+        params = SamplingParams(max_tokens=1, pooling=pooling_params or PoolingParams())
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput.from_output(output) for output in outputs]
 
     def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[RequestOutput]:
         """The outputs of one prompt as the engine produces them, step by step (the last one is

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from ...errors import InputError
 from ...outputs import RequestMetrics
@@ -103,6 +103,7 @@ class EngineCoreOutput:
     stop_reason: Optional[object] = None  # the stop token id that ended it, if one did
     error: Optional[str] = None  # why the core failed it (status FINISHED_ERROR)
     error_status: int = 500  # 500: the engine's fault; 400: the request's own inputs could not run
+    pooled: Optional[Any] = None  # a pooling request's result (a float32 tensor), when it ends
 
     @property
     def finished(self) -> bool:

@@ -22,10 +22,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Protocol
 
+import torch
+
 from ...config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from ...distributed import get_tp_group, tensor_parallel_group
 from ...errors import WorkerDiedError
 from ...layers.kv_cache import kv_cache_bytes_per_block, kv_window
+from ...layers.pooler import pool
 from ...layers.state_cache import state_bytes_per_slot
 from ...models.factory import build_model
 from ...multimodal.profiling import MultiModalProfiler
@@ -69,7 +72,11 @@ class EngineCore:
         """`workers`: the other tensor-parallel ranks, already started (`executor.start_core` starts them);
         the core shuts them down with itself, also when it fails to start."""
         self.model_config = model_config
-        self.cache_config = cache_config = cache_config or CacheConfig()
+        self.pooler_config = model_config.pooler_config  # None unless runner="pooling"
+        cache_config = cache_config or CacheConfig()
+        if self.pooler_config is not None and self.pooler_config.pooling_type != "LAST":  # every token's state
+            cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)  # (not the caller's)
+        self.cache_config = cache_config
         self.scheduler_config = scheduler_config = scheduler_config or SchedulerConfig()
         self.parallel_config = parallel_config or ParallelConfig()
         self.workers = workers
@@ -211,7 +218,7 @@ class EngineCore:
                 raise RuntimeError("No request could be scheduled; the KV cache is too small for the waiting ones")
             return []
         try:
-            sampled = self.runner.execute(out, self.block_manager, self.encoder_cache)
+            sampled, hidden = self.runner.execute(out, self.block_manager, self.encoder_cache)
         except WorkerDiedError:  # the ranks are out of step: no step can run any more
             raise
         except EncoderInputError as e:
@@ -225,12 +232,15 @@ class EngineCore:
             message = f"The engine failed while running this request ({type(e).__name__})."
             return self._fail([step.request for step in out.scheduled], message, 500)
         outputs = []
-        for request in self.scheduler.update_from_output(out, sampled):
+        for request in self.scheduler.update_from_output(out, sampled, hidden):
             logprobs = request.output_logprobs[-1:] if request.sampling_params.logprobs is not None else None
-            outputs.append(
-                EngineCoreOutput(request.request_id, request.output_token_ids[-1:], logprobs, request.metrics,
-                                 request.status if request.is_finished else None, request.stop_reason)  # fmt: skip
-            )
+            output = EngineCoreOutput(request.request_id, request.output_token_ids[-1:], logprobs, request.metrics,
+                                      request.status if request.is_finished else None, request.stop_reason)  # fmt: skip
+            pooling = request.sampling_params.pooling
+            if pooling is not None:  # ended: its prompt is computed
+                output.pooled = pool(torch.cat(request.hidden_parts), self.pooler_config, pooling)
+                request.hidden_parts.clear()
+            outputs.append(output)
             if request.is_finished:
                 del self.requests[request.request_id]
         return outputs

@@ -52,15 +52,20 @@ class ModelInputs:
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     """(snapshot row, slot): states copied before the step (a prefix-cache hit continues from its snapshot)."""
 
+    pool_rows: list[int] = field(default_factory=list)
+    """Rows whose final hidden states the step returns (pooling requests' tokens)."""
+
     state_snapshots: list[tuple[int, int, int]] = field(default_factory=list)
     """(sequence, offset, snapshot row): the stateful layers write the sequence's state after its first `offset`
     new tokens (a block boundary) to the row, for later prefix-cache hits."""
 
 
 @torch.inference_mode()
-def run_model(model: torch.nn.Module, inputs: ModelInputs, block_size: int, device: str) -> Optional[torch.Tensor]:
-    """Embeddings (merged with the encoder rows), the decoder over the paged KV cache, and the logits
-    [len(sample_rows), vocab] (None when no row is sampled)."""
+def run_model(
+    model: torch.nn.Module, inputs: ModelInputs, block_size: int, device: str
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Embeddings (merged with the encoder rows), the decoder over the paged KV cache; the logits
+    [len(sample_rows), vocab] and the final hidden states [len(pool_rows), hidden] (each None when no row asks)."""
     metadata = AttentionMetadata.build(
         inputs.query_lens, inputs.context_lens, inputs.block_tables, block_size, device,
         bidirectional_spans=inputs.bidirectional_spans, state_slots=inputs.state_slots,
@@ -76,6 +81,7 @@ def run_model(model: torch.nn.Module, inputs: ModelInputs, block_size: int, devi
     with attention_metadata(metadata):
         ids = input_ids if getattr(model, "takes_input_ids_with_embeds", False) else None  # Gemma 4's PLE reads them
         hidden = model(ids, inputs.positions.to(device), inputs_embeds=inputs_embeds)
+    pooled = hidden[inputs.pool_rows] if inputs.pool_rows else None
     if not inputs.sample_rows:
-        return None
-    return model.compute_logits(hidden[inputs.sample_rows])  # [num_sampling, vocab]
+        return None, pooled
+    return model.compute_logits(hidden[inputs.sample_rows]), pooled  # [num_sampling, vocab], [num_pool, hidden]

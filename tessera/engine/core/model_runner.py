@@ -73,36 +73,41 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, block_manager: BlockManager, encoder_cache: EncoderCache
-    ) -> dict[str, tuple[int, Optional[dict[int, float]]]]:
-        """Run the step; returns request id -> (sampled token, logprobs) for the requests whose
-        computed tokens reach their end (chunks in the middle of a prompt sample nothing)."""
+    ) -> tuple[dict[str, tuple[int, Optional[dict[int, float]]]], dict[str, torch.Tensor]]:
+        """Run the step; returns (request id -> (sampled token, logprobs) for the requests whose computed tokens
+        reach their end (chunks in the middle of a prompt sample nothing), pooling request id -> the final hidden
+        states [n, hidden] of its tokens this step)."""
         for request_id in out.finished_ids:
             self.mrope_positions.pop(request_id, None)
         self._encode(out, encoder_cache)
-        inputs, sampling = self._prepare(out, block_manager, encoder_cache)
+        inputs, sampling, pooling = self._prepare(out, block_manager, encoder_cache)
         if self.workers is None:
-            logits = run_model(self.model, inputs, self.block_size, self.device)
+            logits, pooled = run_model(self.model, inputs, self.block_size, self.device)
         else:
-            logits = self.workers.run_model(lambda: run_model(self.model, inputs, self.block_size, self.device), inputs)
+            run = lambda: run_model(self.model, inputs, self.block_size, self.device)  # noqa: E731
+            logits, pooled = self.workers.run_model(run, inputs)
+        hidden = dict(zip([r.request_id for r, _ in pooling], pooled.split([n for _, n in pooling]))) if pooling else {}
         if logits is None:
-            return {}
+            return {}, hidden
         # the grammars' bitmask is filled on the CPU while the device runs the step (launched above)
         mask = token_mask(sampling)
         result: SamplerOutput = sample(
             logits, [r.sampling_params for r in sampling], [r.generator for r in sampling], mask
         )
-        return {
+        sampled = {
             request.request_id: (token, logprobs)
             for request, token, logprobs in zip(sampling, result.token_ids, result.logprobs)
         }
+        return sampled, hidden
 
     def _prepare(
         self, out: SchedulerOutput, block_manager: BlockManager, encoder_cache: EncoderCache
-    ) -> tuple[ModelInputs, list[Request]]:
-        """The step's `ModelInputs` (what every rank runs) and the requests sampled, in row order."""
+    ) -> tuple[ModelInputs, list[Request], list[tuple[Request, int]]]:
+        """The step's `ModelInputs` (what every rank runs), the requests sampled, in row order, and the pooling
+        requests with their rows this step."""
         ids: list[int] = []
         positions: list[torch.Tensor] = []  # per request: [n] or, for M-RoPE, [3, n]
-        is_multimodal, rows, sample_rows, sampling = [], [], [], []
+        is_multimodal, rows, sample_rows, sampling, pool_rows, pooling = [], [], [], [], [], []
         for step in out.scheduled:
             request, start = step.request, step.request.num_computed_tokens
             end = start + step.num_new_tokens
@@ -115,7 +120,10 @@ class ModelRunner:
                 mask[lo : lo + len(item_mask)] = item_mask
                 rows.append(encoder_cache.get(item.hash)[item_rows])
             is_multimodal.append(mask)
-            if end == request.num_tokens:
+            if request.sampling_params.pooling is not None:  # every row: the pooler picks (last, mean, ...)
+                pool_rows += range(len(ids) - (end - start), len(ids))
+                pooling.append((request, end - start))
+            elif end == request.num_tokens:
                 sample_rows.append(len(ids) - 1)
                 sampling.append(request)
         multimodal = supports_multimodal(self.model)
@@ -127,6 +135,7 @@ class ModelRunner:
             context_lens=[s.request.num_computed_tokens + s.num_new_tokens for s in out.scheduled],
             block_tables=[block_manager.blocks_of(s.request) for s in out.scheduled],
             sample_rows=sample_rows,
+            pool_rows=pool_rows,
             is_multimodal=torch.cat(is_multimodal) if multimodal else None,
             mm_rows=rows if multimodal else None,
             bidirectional_spans=[_item_spans(s.request, self.bidirectional_modalities) for s in out.scheduled]
@@ -136,7 +145,7 @@ class ModelRunner:
             state_snapshots=[(i, end - s.request.num_computed_tokens, row)
                              for i, s in enumerate(out.scheduled) for end, row in s.snapshots],
         )  # fmt: skip
-        return inputs, sampling
+        return inputs, sampling, pooling
 
     def _positions(self, request: Request, start: int, end: int) -> torch.Tensor:
         """Positions of tokens start..end-1: [n], or [3, n] for an M-RoPE model (the prompt's from

@@ -120,6 +120,7 @@ class Request:
         # structured outputs: this sequence's grammar matcher (a StructuredOutputRequest), set when
         # the engine adds the request; it masks the sampled tokens and ends the output when complete
         self.structured_output: Optional[Any] = None
+        self.hidden_parts: list[torch.Tensor] = []  # a pooling request's final hidden states, chunk by chunk
         if sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.seed)
 

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from ...config import SchedulerConfig
 from .block_manager import BlockManager
@@ -211,18 +211,23 @@ class Scheduler:
         self.block_manager.free(request)
         self.encoder_cache.release(request.request_id)
         request.num_computed_tokens = 0
+        request.hidden_parts.clear()  # recomputed from the start
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: Mapping[str, tuple[int, Optional[dict[int, float]]]]
+        self,
+        out: SchedulerOutput,
+        sampled: Mapping[str, tuple[int, Optional[dict[int, float]]]],
+        hidden: Mapping[str, Any] = {},
     ) -> list[Request]:
         """After a step ran: advance each scheduled request, cache its full blocks, release those out of
         the KV window and the encoder outputs it has consumed, append its sampled token and end it on
-        EOS, a stop token id or its length limit (stop strings need text: the output processor decides those).
-        Returns the requests that got a token, in schedule order."""
+        EOS, a stop token id or its length limit (stop strings need text: the output processor decides those);
+        a pooling request keeps its `hidden` rows and ends once its prompt is computed, its blocks freed.
+        Returns the requests that got a token or ended pooling, in schedule order."""
         now = time.monotonic()
         advanced = []
         for step in out.scheduled:
@@ -239,6 +244,12 @@ class Scheduler:
             if request.request_id in sampled:
                 self._append_token(request, *sampled[request.request_id], now)
                 advanced.append(request)
+            elif request.request_id in hidden:
+                request.hidden_parts.append(hidden[request.request_id])
+                if request.num_computed_tokens == request.num_tokens:
+                    request.metrics.finished_time = now
+                    self.finish(request, RequestStatus.FINISHED_STOPPED)
+                    advanced.append(request)
         return advanced
 
     def _append_token(self, request: Request, token: int, logprobs: Optional[dict[int, float]], now: float) -> None:

@@ -32,8 +32,16 @@ from .body_limit import BodySizeLimit
 from .http_server import GracefulServer, ServerThread, uvicorn_config
 from .media_loader import AsyncMediaLoader
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest, UnsupportedParameter, error_body
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+    UnsupportedParameter,
+    error_body,
+)
 from .serving import OpenAIServing
+from .serving_embedding import OpenAIServingEmbedding
 from .serving_transcription import OpenAIServingTranscription, transcription_request
 from .tool_parsers import default_tool_parser, get_tool_parser
 
@@ -88,6 +96,7 @@ def build_app(
     serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format,
                             media_io_kwargs, tool_parser=parser)  # fmt: skip
     transcriptions = OpenAIServingTranscription(engine, metrics, media)
+    embeddings = OpenAIServingEmbedding(serving, model_name)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     model_path = str(engine.model_config.model)
 
@@ -181,6 +190,11 @@ def build_app(
             check_model(request.model)
             data = await upload.read()
         return await respond(raw, transcriptions.transcribe(request, data))
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: EmbeddingRequest, raw: Request) -> Response:
+        check_model(request.model)
+        return await respond(raw, embeddings.embed(request))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest, raw: Request) -> Response:

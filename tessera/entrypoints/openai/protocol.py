@@ -166,6 +166,38 @@ class TokenizeRequest(BaseModel):
         return self
 
 
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings request (`input`: a text, texts, token ids or lists of them), or vLLM's chat form
+    (`messages`, with image parts) for multimodal embedders."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    input: Union[str, list[str], list[int], list[list[int]], None] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = Field(default=None, ge=1)
+    user: Optional[str] = None  # a label
+    add_generation_prompt: bool = False  # chat form: the embedders' templates end with the user's turn
+    mm_processor_kwargs: RequestProcessorKwargs = None
+    media_io_kwargs: RequestMediaIOKwargs = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "EmbeddingRequest":
+        if (self.input is None) == (self.messages is None):
+            raise ValueError('Send exactly one of "input" and "messages".')
+        if self.input is not None and (self.input == [] or self.input == ""):
+            raise ValueError("input is empty.")
+        return self
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        """The prompts `input` holds, one per embedding."""
+        given = self.input
+        if isinstance(given, str) or (given and isinstance(given[0], int)):
+            return [given]  # type: ignore[list-item]
+        return list(given or [])
+
+
 class TranscriptionRequest(BaseModel):
     """The fields of OpenAI's multipart transcription form (the file aside), and vLLM's sampling extras."""
 

@@ -126,7 +126,7 @@ class OpenAIServing:
         prompt = await self.chat_prompt(
             request.messages, request.add_generation_prompt, self._video_io(request), tools=tools
         )
-        prompt = _with_options(prompt, mm_processor_kwargs=request.mm_processor_kwargs)
+        prompt = with_options(prompt, mm_processor_kwargs=request.mm_processor_kwargs)
         return await self._generate(request, prompt, "chatcmpl", chat=True, tool_parser=parser, constraint=schema)
 
     def _video_io(self, request: Any) -> Optional[dict[str, Any]]:
@@ -134,7 +134,7 @@ class OpenAIServing:
 
     async def completion(self, request: CompletionRequest) -> Any:
         prompt = await self.completion_prompt(request.prompt)
-        prompt = _with_options(
+        prompt = with_options(
             prompt, mm_processor_kwargs=request.mm_processor_kwargs, multi_modal_uuids=request.multi_modal_uuids
         )
         return await self._generate(request, prompt, "cmpl", chat=False)
@@ -147,7 +147,7 @@ class OpenAIServing:
             )
         else:
             prompt = await self.completion_prompt(request.prompt or "")
-        prompt = _with_options(prompt, mm_processor_kwargs=request.mm_processor_kwargs)
+        prompt = with_options(prompt, mm_processor_kwargs=request.mm_processor_kwargs)
         inputs = await self.engine.process(prompt)
         placeholders: dict[str, list[dict]] = {}
         for item in inputs.mm_items:
@@ -374,7 +374,7 @@ def _one_per_choice(choices: list[dict]) -> list[list[dict]]:
     return batches
 
 
-def _with_options(prompt: Any, **options: Any) -> Any:
+def with_options(prompt: Any, **options: Any) -> Any:
     """The engine prompt with the request's prompt-level options (those given) added."""
     options = {key: value for key, value in options.items() if value is not None}
     if not options:

@@ -12,14 +12,14 @@ import json
 import math
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import ValidationError
 from starlette.datastructures import FormData, UploadFile
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
-from ...engine.async_engine import RequestStream
+from ...engine.async_engine import RequestStream, all_finished
 from ...engine.engine_client import EngineClient
 from ...engine.transcription import transcription_output
 from ...errors import InputError
@@ -88,7 +88,7 @@ class OpenAIServingTranscription:
         duration = len(waveform) / rate
         if request.stream:
             return self._events(streams, duration)
-        finals = await _all_finished(streams)
+        finals = await all_finished(streams)
         for final in finals:
             self.metrics.observe_finished(final)
         result = transcription_output(windows, finals, duration, language)
@@ -145,26 +145,6 @@ class OpenAIServingTranscription:
             for stream in streams[done:]:
                 stream.abort()
         yield "data: [DONE]\n\n"
-
-
-async def _all_finished(streams: Sequence[RequestStream]) -> list[RequestOutput]:
-    """Each stream's final output; if one fails (or the caller is cancelled) the others are aborted."""
-
-    async def last(stream: RequestStream) -> RequestOutput:
-        final = None
-        async for output in stream:
-            final = output
-        assert final is not None
-        return final
-
-    tasks = [asyncio.ensure_future(last(stream)) for stream in streams]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task, stream in zip(tasks, streams):
-            task.cancel()
-            stream.abort()
-        raise
 
 
 def _token_logprobs(output: RequestOutput) -> list[tuple[int, dict[int, float]]]:
