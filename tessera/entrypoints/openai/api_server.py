@@ -42,6 +42,7 @@ from .protocol import (
 )
 from .serving import OpenAIServing
 from .serving_embedding import OpenAIServingEmbedding
+from .serving_responses import OpenAIServingResponses, ResponsesRequest
 from .serving_transcription import OpenAIServingTranscription, transcription_request
 from .tool_parsers import default_tool_parser, get_tool_parser
 
@@ -97,6 +98,7 @@ def build_app(
                             media_io_kwargs, tool_parser=parser)  # fmt: skip
     transcriptions = OpenAIServingTranscription(engine, metrics, media)
     embeddings = OpenAIServingEmbedding(serving, model_name)
+    responses = OpenAIServingResponses(serving)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     model_path = str(engine.model_config.model)
 
@@ -190,6 +192,11 @@ def build_app(
             check_model(request.model)
             data = await upload.read()
         return await respond(raw, transcriptions.transcribe(request, data))
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw: Request) -> Response:
+        check_model(request.model)
+        return await respond(raw, responses.create(request))
 
     @app.post("/v1/embeddings")
     async def create_embeddings(request: EmbeddingRequest, raw: Request) -> Response:
