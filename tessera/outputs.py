@@ -94,6 +94,22 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result for one (query, document) pair, as vLLM's: the cosine of their embeddings (late
+    interaction for multi-vector models)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # the document's
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
 class TranscriptionSegment:
     """One window of a recording and its transcript."""
 

@@ -84,3 +84,19 @@ def test_each_runner_refuses_the_others_requests_by_name(embedder):
     generating = LLM(str(folder), kv_cache_memory="8MiB")
     with pytest.raises(InputError, match="runner='pooling'"):
         generating.embed(TEXT_PROMPT)
+
+
+def test_score_is_the_cosine_of_hfs_embeddings(embedder):
+    """`LLM.score`: one query against an image document and a text document, each the cosine of HF's pooled
+    states; queries and documents paired one to one too."""
+    folder, hidden = embedder
+    llm = LLM(str(folder), runner="pooling", kv_cache_memory="8MiB")
+    query = "<|im_start|>user\nWhich shows a red circle?<|im_end|>\n"
+    (query_vector,) = [torch.tensor(e.outputs.embedding) for e in llm.embed([query], use_tqdm=False)]
+    scores = [o.outputs.score for o in llm.score(query, prompts(), use_tqdm=False)]
+    expected = [float(F.cosine_similarity(query_vector, states[-1], dim=0)) for states in hidden]
+    assert scores == pytest.approx(expected, abs=1e-4)
+    paired = [o.outputs.score for o in llm.score([query, query], prompts(), use_tqdm=False)]
+    assert paired == pytest.approx(expected, abs=1e-4)
+    with pytest.raises(ValueError, match="one to one"):
+        llm.score([query, query], [TEXT_PROMPT, TEXT_PROMPT, TEXT_PROMPT])

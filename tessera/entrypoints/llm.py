@@ -7,12 +7,14 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
 
+import torch
 from tqdm.auto import tqdm
 
 from ..engine.chat_utils import ContentFormat, Message
 from ..engine.llm_engine import LLMEngine
 from ..engine.prompt import PromptType
 from ..engine.transcription import transcription_output
+from ..layers.pooler import similarity
 from ..multimodal.audio import as_waveform, decode_audio
 from ..multimodal.media import (
     LOCAL_FILES,
@@ -22,7 +24,7 @@ from ..multimodal.media import (
     load_video_url,
     read_media_bytes,
 )
-from ..outputs import EmbeddingRequestOutput, RequestOutput, TranscriptionOutput
+from ..outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput, TranscriptionOutput
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 
@@ -63,10 +65,7 @@ class LLM:
         (HF processor kwargs for this prompt, over `LLM(..., mm_processor_kwargs=...)`) and
         "multi_modal_uuids" ({"image": [id or None per image]}: a named item is cached under
         its id instead of a hash of its content; one id must always mean the same content)."""
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
+        prompts = _as_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
@@ -92,6 +91,31 @@ class LLM:
         params = SamplingParams(max_tokens=1, pooling=pooling_params or PoolingParams())
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput.from_output(output) for output in outputs]
+
+    def score(
+        self,
+        queries: Union[PromptType, Sequence[PromptType]],
+        documents: Union[PromptType, Sequence[PromptType]],
+        pooling_params: Optional[PoolingParams] = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """How well each document answers its query (vLLM's `LLM.score`): one query against every document, or
+        queries and documents paired one to one; prompts as `embed` takes them (documents may carry images). The
+        score is the cosine of the two embeddings, or late interaction (MaxSim) for a multi-vector model."""
+        queries, documents = _as_list(queries), _as_list(documents)
+        if len(queries) not in (1, len(documents)):
+            raise ValueError(f"score pairs one query with every document, or queries with documents one to one; "
+                             f"got {len(queries)} queries for {len(documents)} documents")  # fmt: skip
+        embedded = self.embed([*queries, *documents], pooling_params, use_tqdm=use_tqdm)
+        vectors = [torch.tensor(e.outputs.embedding) for e in embedded]
+        query_vectors, document_vectors = vectors[: len(queries)], vectors[len(queries) :]
+        if len(query_vectors) == 1:
+            query_vectors = query_vectors * len(documents)
+        return [
+            ScoringRequestOutput(e.request_id, e.prompt_token_ids, ScoringOutput(similarity(q, d)))
+            for q, d, e in zip(query_vectors, document_vectors, embedded[len(queries) :])
+        ]
 
     def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> Iterator[RequestOutput]:
         """The outputs of one prompt as the engine produces them, step by step (the last one is
@@ -219,6 +243,13 @@ class LLM:
             transcription_output(plan, [next(outputs) for _ in plan], len(w) / rate, code)
             for plan, w in zip(plans, waveforms)
         ]
+
+
+def _as_list(prompts: Any) -> list:
+    """One prompt (a string, a dict, token ids) or a sequence of them, as a list of prompts."""
+    if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _waveform(item: Any, rate: int, index: int) -> Any:

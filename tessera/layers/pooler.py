@@ -23,3 +23,14 @@ def pool(hidden: torch.Tensor, config: PoolerConfig, params: Optional[PoolingPar
         out = out[..., : params.dimensions]
     normalize = config.normalize if params.normalize is None else params.normalize
     return F.normalize(out, dim=-1) if normalize else out
+
+
+def similarity(query: torch.Tensor, document: torch.Tensor) -> float:
+    """How well `document` answers `query`: the cosine of two vectors; for multi-vector embeddings ([n, D] and
+    [m, D], pooling "ALL"), late interaction (ColBERT's MaxSim): each query vector's best dot product with a
+    document vector, summed over the query."""
+    if query.dim() == 1 and document.dim() == 1:
+        return float(F.cosine_similarity(query.float(), document.float(), dim=0))
+    if query.dim() == 2 and document.dim() == 2:
+        return float((query.float() @ document.float().T).max(dim=1).values.sum())
+    raise ValueError("Both sides of a score must be single vectors or both multi-vector embeddings")

@@ -55,3 +55,15 @@ def test_a_sentence_transformers_folder_says_how_it_pools(tmp_path):
     assert PoolerConfig.from_folder(str(tmp_path)) == PoolerConfig("MEAN", normalize=True)
     with pytest.raises(ValueError, match="pooling_type must be one of"):
         PoolerConfig("MAX")
+
+
+def test_similarity_is_the_cosine_or_late_interaction():
+    from tessera.layers.pooler import similarity
+
+    assert similarity(torch.tensor([1.0, 0.0]), torch.tensor([3.0, 3.0])) == pytest.approx(2**-0.5)
+    query = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    document = torch.tensor([[0.5, 0.1], [0.2, 0.9], [0.7, 0.0]])
+    # MaxSim: query row 0's best is 0.7 (row 2), row 1's is 0.9 (row 1)
+    assert similarity(query, document) == pytest.approx(0.7 + 0.9)
+    with pytest.raises(ValueError, match="both multi-vector"):
+        similarity(query, torch.tensor([1.0, 0.0]))

@@ -43,12 +43,13 @@ from .protocol import (
 from .serving import OpenAIServing
 from .serving_embedding import OpenAIServingEmbedding
 from .serving_responses import OpenAIServingResponses, ResponsesRequest
+from .serving_score import OpenAIServingScore, RerankRequest, ScoreRequest
 from .serving_transcription import OpenAIServingTranscription, transcription_request
 from .tool_parsers import default_tool_parser, get_tool_parser
 
 logger = logging.getLogger(__name__)
 WEB_DIR = Path(__file__).resolve().parents[1] / "web"
-PROTECTED_PREFIXES = ("/v1/", "/tokenize")
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/score", "/rerank")
 T = TypeVar("T")
 __all__ = ["build_app", "serve", "ServerThread"]
 
@@ -99,6 +100,7 @@ def build_app(
     transcriptions = OpenAIServingTranscription(engine, metrics, media)
     embeddings = OpenAIServingEmbedding(serving, model_name)
     responses = OpenAIServingResponses(serving)
+    scoring = OpenAIServingScore(embeddings)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     model_path = str(engine.model_config.model)
 
@@ -202,6 +204,19 @@ def build_app(
     async def create_embeddings(request: EmbeddingRequest, raw: Request) -> Response:
         check_model(request.model)
         return await respond(raw, embeddings.embed(request))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(request: ScoreRequest, raw: Request) -> Response:
+        check_model(request.model)
+        return await respond(raw, scoring.score(request))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(request: RerankRequest, raw: Request) -> Response:
+        check_model(request.model)
+        return await respond(raw, scoring.rerank(request))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest, raw: Request) -> Response:

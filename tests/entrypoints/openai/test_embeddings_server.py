@@ -93,3 +93,26 @@ def test_a_generating_server_refuses_embeddings_by_name(server):
     url, _ = server
     response = httpx.post(url + "/v1/embeddings", json={"input": "hi"}, headers={"Authorization": f"Bearer {API_KEY}"})
     assert response.status_code == 400 and "--runner pooling" in response.json()["error"]["message"]
+
+
+def test_score_and_rerank_with_an_image_document(embedding_server):
+    """/score and /rerank: the offline LLM.score's numbers; rerank orders the documents by them and keeps top_n."""
+    url, llm = embedding_server
+    image = random_images([(60, 40)], seed=4)[0]
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    picture = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    parts = [{"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": "A page"}]
+    query = "Which page shows a circle?"
+    documents = [TEXTS[0], {"content": parts}, TEXTS[1]]
+    offline = [llm.render_chat([{"role": "user", "content": parts}], add_generation_prompt=False)]
+    expected = [o.outputs.score for o in llm.score(query, [TEXTS[0], offline[0], TEXTS[1]], use_tqdm=False)]
+    body = {"model": "tiny-embed", "text_1": query, "text_2": documents}
+    scores = httpx.post(url + "/score", json=body, timeout=60).json()["data"]
+    assert [s["score"] for s in scores] == pytest.approx(expected, abs=1e-5)
+    body = {"model": "tiny-embed", "query": query, "documents": documents, "top_n": 2}
+    reply = httpx.post(url + "/v1/rerank", json=body, timeout=60).json()
+    order = sorted(range(3), key=lambda i: -expected[i])[:2]
+    assert [r["index"] for r in reply["results"]] == order
+    assert [r["relevance_score"] for r in reply["results"]] == pytest.approx([expected[i] for i in order], abs=1e-5)
+    assert reply["results"][0]["document"] == ({"text": documents[order[0]]} if order[0] != 1 else {"content": parts})
