@@ -15,6 +15,8 @@ from .gguf_file import find_gguf_file, gguf_quantization, load_gguf_config
 from .plugins import plugin_option_names, resolve_plugin_options
 from .pooling_params import PoolerConfig
 
+POOLING_ARCHITECTURE_SUFFIXES = ("ForRetrieval", "ForEmbedding", "EmbeddingModel")  # runner="auto" pools these
+
 logger = logging.getLogger(__name__)
 
 DTYPE_NAMES = {
@@ -151,12 +153,14 @@ class ModelConfig:
     for a nested config, such as `text_config`, updates it key by key), a function returns the changed config.
     E.g. {"architectures": ["MyModelForCausalLM"]} runs a folder with a model class registered out of tree."""
 
-    runner: str = "generate"
-    """"generate" (text) or "pooling" (embeddings: `LLM.embed`, `/v1/embeddings`), as vLLM's `runner`."""
+    runner: str = "auto"
+    """"generate" (text) or "pooling" (embeddings: `LLM.embed`, `/v1/embeddings`, scores), as vLLM's `runner`;
+    "auto": pooling for retrieval and embedding architectures (`*ForRetrieval`, `*ForEmbedding`), else generate."""
 
     pooler_config: "Optional[PoolerConfig | dict[str, Any]]" = None
-    """With runner="pooling", how the final hidden states are pooled (a dict is converted); None: as the folder's
-    sentence-transformers modules.json says, else the last token's, normalized (`pooling_params.PoolerConfig`)."""
+    """With runner="pooling", how the final hidden states are pooled (a dict is converted); None: the model class's
+    own (ColQwen2: every token), else as the folder's sentence-transformers modules.json says, else the last
+    token's, normalized (`pooling_params.PoolerConfig`)."""
 
     hf_config: PretrainedConfig = field(init=False)
 
@@ -198,13 +202,14 @@ class ModelConfig:
                 "The GGUF file's weights are de-quantized to %s; quantization='auto' keeps them %s (less memory, "
                 "faster decode with dtype='bfloat16')", self.dtype, file_quantization,
             )  # fmt: skip
-        if self.runner not in ("generate", "pooling"):
-            raise ValueError(f"runner must be 'generate' or 'pooling'; got {self.runner!r}")
-        if self.runner == "pooling":
-            if isinstance(self.pooler_config, Mapping):
-                self.pooler_config = PoolerConfig(**self.pooler_config)
-            self.pooler_config = self.pooler_config or PoolerConfig.from_folder(self.model)
-        elif self.pooler_config is not None:
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling'; got {self.runner!r}")
+        if self.runner == "auto":
+            pooling = any(a.endswith(POOLING_ARCHITECTURE_SUFFIXES) for a in self.architectures)
+            self.runner = "pooling" if pooling else "generate"
+        if isinstance(self.pooler_config, Mapping):
+            self.pooler_config = PoolerConfig(**self.pooler_config)
+        if self.pooler_config is not None and self.runner != "pooling":
             raise ValueError("pooler_config is for runner='pooling'")
         self.vision_dtype = parse_dtype(self.vision_dtype or self.dtype, "vision_dtype")
         self.projector_dtype = parse_dtype(self.projector_dtype or self.dtype, "projector_dtype")

@@ -124,9 +124,10 @@ class LLMEngine:
         if self.model_config.runner != "pooling" and pooling is not None:
             raise InputError("Embeddings need the model loaded as one: LLM(model, runner='pooling') or "
                              "`tessera serve MODEL --runner pooling`.")  # fmt: skip
-        hidden = self.model_config.hf_config.get_text_config().hidden_size
-        if pooling is not None and pooling.dimensions is not None and pooling.dimensions > hidden:
-            raise InputError(f"dimensions {pooling.dimensions} exceeds the model's embedding size {hidden}.")
+        config = self.model_config.hf_config  # a retrieval model's own width (ColQwen2's embedding_dim), else hidden
+        width = getattr(config, "embedding_dim", None) or config.get_text_config().hidden_size
+        if pooling is not None and pooling.dimensions is not None and pooling.dimensions > width:
+            raise InputError(f"dimensions {pooling.dimensions} exceeds the model's embedding size {width}.")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free what it holds; it produces no further output."""

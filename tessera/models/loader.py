@@ -90,7 +90,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
 
     out = {"total": size(model, set())}
     for part in getattr(model, "multimodal_parts", {}).values():
-        out[part] = size(getattr(model, part), set())
+        out[part] = size(model.get_submodule(part), set())
     tables = [m for name, m in model.named_modules() if name.endswith("embed_tokens_per_layer")]
     if tables:
         seen: set = set()
@@ -163,7 +163,7 @@ def place_parts(model: nn.Module, model_config: ModelConfig) -> None:
         ("projector", model_config.projector_dtype, model_config.projector_device),
     ):
         if key in parts:
-            getattr(model, parts[key]).to(device=device, dtype=dtype)
+            model.get_submodule(parts[key]).to(device=device, dtype=dtype)
 
 
 def load_weights(

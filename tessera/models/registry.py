@@ -29,6 +29,7 @@ _BUILTIN_MODELS = {
     "SmolVLMForConditionalGeneration": "tessera.models.smolvlm:SmolVLMForConditionalGeneration",
     "Gemma3ForConditionalGeneration": "tessera.models.gemma3_mm:Gemma3ForConditionalGeneration",
     "Gemma4ForConditionalGeneration": "tessera.models.gemma4_mm:Gemma4ForConditionalGeneration",
+    "ColQwen2ForRetrieval": "tessera.models.colqwen2:ColQwen2ForRetrieval",
     "InternVLForConditionalGeneration": "tessera.models.internvl:InternVLForConditionalGeneration",
     "Mistral3ForConditionalGeneration": "tessera.models.mistral3:Mistral3ForConditionalGeneration",
     "Qwen2VLForConditionalGeneration": "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",

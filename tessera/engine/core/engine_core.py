@@ -32,6 +32,7 @@ from ...layers.pooler import pool
 from ...layers.state_cache import state_bytes_per_slot
 from ...models.factory import build_model
 from ...multimodal.profiling import MultiModalProfiler
+from ...pooling_params import PoolerConfig, PoolingParams
 from ...sampling_params import SamplingParams
 from ...tokenizer_utils import load_tokenizer
 from .block_manager import BlockManager
@@ -72,11 +73,7 @@ class EngineCore:
         """`workers`: the other tensor-parallel ranks, already started (`executor.start_core` starts them);
         the core shuts them down with itself, also when it fails to start."""
         self.model_config = model_config
-        self.pooler_config = model_config.pooler_config  # None unless runner="pooling"
-        cache_config = cache_config or CacheConfig()
-        if self.pooler_config is not None and self.pooler_config.pooling_type != "LAST":  # every token's state
-            cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)  # (not the caller's)
-        self.cache_config = cache_config
+        self.cache_config = cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config = scheduler_config or SchedulerConfig()
         self.parallel_config = parallel_config or ParallelConfig()
         self.workers = workers
@@ -92,6 +89,10 @@ class EngineCore:
         with tensor_parallel_group(group):  # the language model's layers take this rank's slice
             self.built = build_model(model_config, self.tokenizer)
         self.model, self.processor = self.built.model, self.built.processor
+        self.pooler_config = self._pooler_config(model_config)
+        if self.pooler_config is not None and self.pooler_config.pooling_type != "LAST":  # every token's state
+            cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)  # (not the caller's)
+            self.cache_config = cache_config
 
         text_config = model_config.hf_config.get_text_config()
         self.max_model_len = scheduler_config.max_model_len or text_config.max_position_embeddings
@@ -169,6 +170,18 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # sequence id -> its state, until it ends
         self._profiling = False
         self._profile_run()
+
+    def _pooler_config(self, model_config: ModelConfig) -> Optional[PoolerConfig]:
+        """How a pooling model pools (the config's, the model class's, the folder's); None when generating. A model
+        that only pools refuses the generate runner."""
+        runners = getattr(self.model, "runners", ("generate", "pooling"))
+        if model_config.runner not in runners:
+            raise ValueError(f"{type(self.model).__name__} runs with runner={runners[0]!r} only; "
+                             f"got runner={model_config.runner!r}.")  # fmt: skip
+        if model_config.runner != "pooling":
+            return None
+        default = getattr(self.model, "default_pooler_config", None)
+        return model_config.pooler_config or default or PoolerConfig.from_folder(model_config.model)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -353,7 +366,8 @@ class EngineCore:
             self.info.limits.check(token_ids, items, 1)
         except ValueError as e:
             raise ValueError(f"The engine cannot run a worst-case prompt with this configuration: {e}") from e
-        params = SamplingParams(max_tokens=1, temperature=0.0)
+        pooling = PoolingParams() if self.pooler_config is not None else None  # a pooling model's step pools
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
         self.add_request(EngineCoreRequest(PROFILE_REQUEST, token_ids, params, items))
         self._profiling = True
         try:

@@ -94,14 +94,14 @@ class Engine:
             self.scheduler.add_request(r)
         while self.scheduler.has_unfinished_requests():
             out = self.scheduler.schedule()
-            sampled = self.runner.execute(out, self.blocks, self.cache)
+            sampled, hidden = self.runner.execute(out, self.blocks, self.cache)
             offset = 0
             for step in out.scheduled:
                 start, n = step.request.num_computed_tokens, step.num_new_tokens
                 positions = self.model.steps[-1][..., offset : offset + n]
                 self.ran.setdefault(step.request.request_id, []).append((start, start + n, positions))
                 offset += n
-            self.scheduler.update_from_output(out, sampled)
+            self.scheduler.update_from_output(out, sampled, hidden)
 
 
 def expected_positions(layout, grids, num_tokens):
