@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional
 import jinja2
 
 from ..errors import InputError
+from ..multimodal.embeds import ImageEmbedsRef
 from ..special_tokens import adds_special_token
 from .mistral_chat import mistral_common_tokenizer, render_mistral_chat
 
@@ -143,6 +144,10 @@ def parse_chat_media(
                     raise InputError(f"{where}: an image_pil part needs {{'image_pil': <PIL image>}}.")
                 uuids["image"].append(uuid)
                 parts.append({"type": "image"})
+            elif kind == "image_embeds":  # precomputed (vLLM's part): the server decodes and checks them
+                images.append(load_image(ImageEmbedsRef(part.get("image_embeds"))))
+                uuids["image"].append(None)
+                parts.append({"type": "image"})
             elif kind == "video_url":
                 uuid = part.get("uuid")
                 if not isinstance(uuid, (str, type(None))):
@@ -166,7 +171,7 @@ def parse_chat_media(
             else:
                 raise InputError(
                     f"{where}: unsupported content part type {kind!r}; use 'text', 'image_url', 'video_url', "
-                    "'input_audio' or 'audio_url'."
+                    "'input_audio', 'audio_url' or 'image_embeds'."
                 )
         if image_text is not None:
             text = "".join(image_text if p["type"] == "image" else p["text"] for p in parts)

@@ -11,8 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
+import torch
+
 from ..config import ModelConfig
 from ..errors import InputError
+from ..multimodal.embeds import ImageEmbedsRef, decode_image_embeds
 from ..multimodal.inline_images import inline_images_to_prompt
 from ..sampling_params import SamplingParams
 from .chat_utils import (
@@ -89,15 +92,30 @@ class InputPreprocessor:
         (InputError) before any is loaded. `tools`: OpenAI function tools for the template."""
         template = chat_template or self.chat_template
         video = self.video_loader(load_video)
+        image = self._embeds_or(load_image)
         if template is None and plain_fallback and mistral_common_tokenizer(self.renderer) is None:
-            return render_plain(messages, load_image, self.placeholder, load_video=video,
-                                video_placeholder=self.video_placeholder, load_audio=self.audio_loader(load_audio),
-                                audio_placeholder=self.audio_placeholder)  # fmt: skip
-        return render_chat(self.renderer, template, messages, load_image, add_generation_prompt, self.image_text,
-                           content_format=content_format, placeholder=self.placeholder, load_video=video,
-                           video_placeholder=self.video_placeholder, tools=tools,
-                           load_audio=self.audio_loader(load_audio),
-                           audio_placeholder=self.audio_placeholder)  # fmt: skip
+            prompt = render_plain(messages, image, self.placeholder, load_video=video,
+                                  video_placeholder=self.video_placeholder, load_audio=self.audio_loader(load_audio),
+                                  audio_placeholder=self.audio_placeholder)  # fmt: skip
+        else:
+            prompt = render_chat(self.renderer, template, messages, image, add_generation_prompt, self.image_text,
+                                 content_format=content_format, placeholder=self.placeholder, load_video=video,
+                                 video_placeholder=self.video_placeholder, tools=tools,
+                                 load_audio=self.audio_loader(load_audio),
+                                 audio_placeholder=self.audio_placeholder)  # fmt: skip
+        return _embeds_apart(prompt)
+
+    def decode_image_embeds(self, ref: ImageEmbedsRef) -> Any:
+        """An `image_embeds` part's tensor, checked against this model (multimodal/embeds.py)."""
+        hidden = self.model_config.hf_config.get_text_config().hidden_size
+        return decode_image_embeds(ref.data, hidden, self.limits.encoder_rows)
+
+    def _embeds_or(self, load_image: ImageLoader) -> ImageLoader:
+        """`load_image`, with `image_embeds` parts decoded (the offline API takes them; the server decodes them
+        itself, only when started with --enable-mm-embeds)."""
+        return lambda source: self.decode_image_embeds(source) if isinstance(source, ImageEmbedsRef) else load_image(
+            source
+        )
 
     def media_io_for(
         self, media_io_kwargs: Optional[Mapping[str, Any]], mm_processor_kwargs: Optional[Mapping[str, Any]]
@@ -148,3 +166,16 @@ class InputPreprocessor:
         """The prompt dict for text with inline `<img src=...>` tags (the model's placeholders in
         their place, the images loaded in order)."""
         return inline_images_to_prompt(text, self.placeholder, load_image)
+
+
+def _embeds_apart(prompt: dict) -> dict:
+    """A chat prompt whose images are all precomputed embeddings carries them as "image_embeds"; a mix of pictures
+    and embeddings in one prompt is refused."""
+    images = prompt.get("multi_modal_data", {}).get("image")
+    tensors = [isinstance(image, torch.Tensor) and image.dim() == 2 for image in images or []]
+    if not any(tensors):
+        return prompt
+    if not all(tensors):
+        raise InputError("A prompt's images are either all image_embeds parts or all pictures; send them apart.")
+    data = {k: v for k, v in prompt["multi_modal_data"].items() if k != "image"}
+    return {**prompt, "multi_modal_data": {**data, "image_embeds": list(images)}}

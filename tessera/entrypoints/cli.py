@@ -88,8 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-images-per-prompt", type=int, default=None, metavar="N", help="refuse prompts with more")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     serve.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default 1GiB)")
-    serve.add_argument("--runner", choices=["generate", "pooling"], default="generate",
-                       help="pooling: serve /v1/embeddings with the model's pooled hidden states (default generate)")
+    serve.add_argument("--enable-mm-embeds", action="store_true",
+                       help="take precomputed image_embeds chat parts (base64 torch.save tensors, checked)")
+    serve.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
+                       help="pooling: serve /v1/embeddings, /score and /rerank with the model's pooled hidden states "
+                       "(default auto: pooling for retrieval and embedding architectures, else generate)")
     serve.add_argument("--pooler-config", type=_json_object, default=None, metavar="JSON",
                        help='how a pooling model pools, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
                        "(default: the folder's sentence-transformers modules.json, else the last token, normalized)")
@@ -281,6 +284,7 @@ def _serve(args: argparse.Namespace) -> int:
                      media_io_kwargs=args.media_io_kwargs, tool_call_parser=args.tool_call_parser,
                      data_parallel_size=args.data_parallel_size, shutdown_timeout=args.shutdown_timeout,
                      runner=args.runner, **({"pooler_config": args.pooler_config} if args.pooler_config else {}),
+                     enable_mm_embeds=args.enable_mm_embeds,
                      **plugin_options_from_cli(args), **_mm_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)

@@ -69,6 +69,7 @@ def build_app(
     image_fetch_max_bytes: Optional[int] = None,
     media_io_kwargs: Optional[dict[str, Any]] = None,
     tool_call_parser: Optional[str] = None,
+    enable_mm_embeds: bool = False,
 ) -> FastAPI:
     """The app for a running engine (an `AsyncEngine`); `api_key` guards /v1/* and /tokenize. The default media
     policy fetches public http(s) URLs and reads no local files; `allowed_media_dir`,
@@ -76,7 +77,8 @@ def build_app(
     `media_io_kwargs` ({"video": {"num_frames": N, "fps": F}}): how videos are sampled unless a
     request's own say otherwise. `tool_call_parser` (vLLM's --tool-call-parser: "hermes",
     "llama3_json", "mistral") reads tool calls out of answers to requests with tools; None: "hermes"
-    when the model's chat template writes `<tool_call>`, else none (such requests are refused)."""
+    when the model's chat template writes `<tool_call>`, else none (such requests are refused).
+    `enable_mm_embeds`: take precomputed `image_embeds` chat parts (checked: multimodal/embeds.py)."""
     media_policy = media_policy or MediaPolicy(fetch_urls=True)
     legacy = {
         "allowed_local_dir": allowed_media_dir,
@@ -96,7 +98,7 @@ def build_app(
     else:
         parser = default_tool_parser(engine.chat_template)
     serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format,
-                            media_io_kwargs, tool_parser=parser)  # fmt: skip
+                            media_io_kwargs, tool_parser=parser, enable_mm_embeds=enable_mm_embeds)  # fmt: skip
     transcriptions = OpenAIServingTranscription(engine, metrics, media)
     embeddings = OpenAIServingEmbedding(serving, model_name)
     responses = OpenAIServingResponses(serving)

@@ -18,6 +18,7 @@ from ...engine.chat_utils import ContentFormat, parse_chat_media
 from ...engine.engine_client import EngineClient
 from ...engine.prompt import check_text_length
 from ...errors import InputError
+from ...multimodal.embeds import ImageEmbedsRef
 from ...multimodal.media import merge_media_io_kwargs
 from ...outputs import CompletionOutput, RequestOutput
 from .media_loader import AsyncMediaLoader
@@ -40,8 +41,10 @@ class OpenAIServing:
         content_format: ContentFormat = "auto",
         media_io_kwargs: Optional[dict[str, Any]] = None,
         tool_parser: Optional[ToolParser] = None,
+        enable_mm_embeds: bool = False,
     ) -> None:
         self.engine = engine
+        self.enable_mm_embeds = enable_mm_embeds  # take image_embeds parts (vLLM's --enable-mm-embeds)
         self.tool_parser = tool_parser  # reads tool calls out of answers to requests with tool_choice "auto"
         self.media_io_kwargs = merge_media_io_kwargs(media_io_kwargs)  # the server's; a request's go over them
         self.metrics = metrics
@@ -73,10 +76,15 @@ class OpenAIServing:
         hf_messages, media, _ = parse_chat_media(
             messages, lambda url: url, self.preprocessor.image_text, load_video=video_check, load_audio=audio_check
         )
-        urls, video_urls, audio_urls = media["image"], media["video"], media["audio"]
-        if any(not isinstance(url, str) for url in urls):
+        sources, video_urls, audio_urls = media["image"], media["video"], media["audio"]
+        embeds = [s for s in sources if isinstance(s, ImageEmbedsRef)]
+        if embeds and not self.enable_mm_embeds:
+            raise UnsupportedParameter("messages", "image_embeds parts need a server started with --enable-mm-embeds.")
+        if any(not isinstance(s, (str, ImageEmbedsRef)) for s in sources):
             raise InputError("Unsupported content part type 'image_pil'; send images as image_url parts.")
-        self._check_image_count(len(urls))
+        self._check_image_count(len(sources))
+        decoded = iter([await asyncio.to_thread(self.preprocessor.decode_image_embeds, ref) for ref in embeds])
+        urls = [s for s in sources if isinstance(s, str)]
         video_options = merge_media_io_kwargs(self.media_io_kwargs, media_io_kwargs).get("video", {})
         chars = sum(len(p["text"]) for m in hf_messages for p in _parts(m["content"]) if p["type"] == "text")
         check_text_length(chars, self.preprocessor.max_prompt_chars)  # before rendering megabytes
@@ -88,7 +96,8 @@ class OpenAIServing:
             if isinstance(result, BaseException):
                 raise result
         images, videos, audios = results
-        loaded, loaded_videos, loaded_audios = iter(images), iter(videos), iter(audios)
+        fetched, loaded_videos, loaded_audios = iter(images), iter(videos), iter(audios)
+        loaded = iter([next(fetched) if isinstance(s, str) else next(decoded) for s in sources])  # in part order
         render = functools.partial(
             self.preprocessor.render_chat, add_generation_prompt=add_generation_prompt,
             content_format=self.content_format, load_video=lambda url: next(loaded_videos), tools=tools,
