@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import functools
+import io
 import struct
 import zlib
 
@@ -42,3 +44,10 @@ def png_bytes(width: int, height: int) -> bytes:
 
     header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+
+
+def image_data_url(image: Image.Image) -> str:
+    """`image` as a PNG data URL, as clients send an image in a chat part."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

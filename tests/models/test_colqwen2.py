@@ -13,6 +13,7 @@ from tessera import LLM, SamplingParams
 from tessera.errors import InputError
 from testkit import random_images
 from testkit.colqwen2 import EMBEDDING_DIM, build_tiny_colqwen2
+from testkit.inputs import image_data_url
 
 QUERIES = ["a red circle", "two blue squares on a page"]
 
@@ -77,9 +78,6 @@ def test_it_only_pools(colqwen2):
 
 def test_rerank_over_http_gives_the_offline_scores(colqwen2):
     """/rerank with page images as documents (content parts; ColQwen2 writes its visual prompt over the text)."""
-    import base64
-    import io
-
     import httpx
 
     from tessera.engine.async_engine import AsyncEngine
@@ -87,12 +85,7 @@ def test_rerank_over_http_gives_the_offline_scores(colqwen2):
     from tessera.entrypoints.openai.api_server import ServerThread, build_app
 
     folder, _, _ = colqwen2
-    documents = []
-    for page in pages():
-        buffer = io.BytesIO()
-        page.save(buffer, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-        documents.append({"content": [{"type": "image_url", "image_url": {"url": url}}]})
+    documents = [{"content": [{"type": "image_url", "image_url": {"url": image_data_url(page)}}]} for page in pages()]
     expected = [o.outputs.score for o in LLM(str(folder), kv_cache_memory="8MiB").score(QUERIES[0], requests()[:2])]
     engine = AsyncEngine(LLMEngine.from_options(str(folder), kv_cache_memory="8MiB"))
     try:

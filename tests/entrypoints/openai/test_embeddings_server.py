@@ -5,7 +5,6 @@ them; bad requests get a 400 naming what is wrong while the server serves on."""
 from __future__ import annotations
 
 import base64
-import io
 
 import httpx
 import numpy as np
@@ -18,6 +17,7 @@ from tessera.engine.async_engine import AsyncEngine
 from tessera.engine.llm_engine import LLMEngine
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
 from testkit import random_images
+from testkit.inputs import image_data_url
 from testkit.qwen_vl import build_tiny_qwen2_vl
 
 OPTIONS = {"kv_cache_memory": "8MiB", "runner": "pooling"}
@@ -57,10 +57,7 @@ def test_texts_through_the_openai_client_are_the_offline_vectors(embedding_serve
 
 def test_a_chat_with_an_image_through_httpx(embedding_server):
     url, llm = embedding_server
-    image = random_images([(60, 40)], seed=2)[0]
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    data_url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    data_url = image_data_url(random_images([(60, 40)], seed=2)[0])
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}},
                                              {"type": "text", "text": "A picture"}]}]  # fmt: skip
     body = {"model": "tiny-embed", "messages": messages, "encoding_format": "base64"}
@@ -98,10 +95,7 @@ def test_a_generating_server_refuses_embeddings_by_name(server):
 def test_score_and_rerank_with_an_image_document(embedding_server):
     """/score and /rerank: the offline LLM.score's numbers; rerank orders the documents by them and keeps top_n."""
     url, llm = embedding_server
-    image = random_images([(60, 40)], seed=4)[0]
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    picture = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    picture = image_data_url(random_images([(60, 40)], seed=4)[0])
     parts = [{"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": "A page"}]
     query = "Which page shows a circle?"
     documents = [TEXTS[0], {"content": parts}, TEXTS[1]]

@@ -6,7 +6,6 @@ the problem, and the server serves on."""
 from __future__ import annotations
 
 import base64
-import io
 
 import httpx
 import pytest
@@ -15,6 +14,7 @@ from PIL import Image
 
 from tessera.entrypoints.openai.api_server import ServerThread, build_app
 from tessera.multimodal.embeds import encode_image_embeds
+from testkit.inputs import image_data_url
 from testkit.server import API_KEY
 
 QUESTION = "What colour is the circle?"
@@ -50,12 +50,7 @@ def chat(url: str, part: dict, headers: dict | None = None) -> httpx.Response:
 
 def test_embeddings_answer_as_the_image_does(embeds_server):
     url, engine = embeds_server
-    buffer = io.BytesIO()
-    picture().save(buffer, format="PNG")
-    image_part = {
-        "type": "image_url",
-        "image_url": {"url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()},
-    }
+    image_part = {"type": "image_url", "image_url": {"url": image_data_url(picture())}}
     embeds_part = {"type": "image_embeds", "image_embeds": encode_image_embeds(encoder_output(engine))}
     expected = chat(url, image_part).json()["choices"][0]["message"]["content"]
     assert chat(url, embeds_part).json()["choices"][0]["message"]["content"] == expected
