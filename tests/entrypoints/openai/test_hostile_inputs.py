@@ -162,7 +162,7 @@ def test_a_non_streaming_request_is_aborted_when_its_client_leaves(server):
     body = {"model": "demo", "messages": ask(data_url(IMAGE)), "max_tokens": 500, "ignore_eos": True}
     aborted = metric(server[0], 'tessera_requests_total{status="abort"}', default=0.0)  # none yet if run alone
     with pytest.raises(httpx.ReadTimeout):
-        post(server[0], "/v1/chat/completions", body, timeout=0.5)  # hang up while it generates
+        post(server[0], "/v1/chat/completions", body, timeout=0.2)  # hang up while it generates (500 tokens: >0.3 s)
     wait_until_idle(server[0])  # would take 500 steps if it kept going
     assert metric(server[0], 'tessera_requests_total{status="abort"}') == aborted + 1
     assert metric(server[0], "tessera_kv_blocks_used") == 0
