@@ -153,6 +153,10 @@ class ModelConfig:
     for a nested config, such as `text_config`, updates it key by key), a function returns the changed config.
     E.g. {"architectures": ["MyModelForCausalLM"]} runs a folder with a model class registered out of tree."""
 
+    max_loras: int = 4
+    """LoRA adapters held at once (`LLM.generate(..., lora_request=...)`); each is loaded on first use, the least
+    recently used idle one unloaded to make room."""
+
     runner: str = "auto"
     """"generate" (text) or "pooling" (embeddings: `LLM.embed`, `/v1/embeddings`, scores), as vLLM's `runner`;
     "auto": pooling for retrieval and embedding architectures (`*ForRetrieval`, `*ForEmbedding`), else generate."""

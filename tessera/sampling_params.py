@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
+from .lora.request import LoRARequest
 from .pooling_params import PoolingParams
 
 _GREEDY_EPSILON = 1e-5
@@ -131,6 +132,10 @@ class SamplingParams:
 
     structured_outputs: Optional[StructuredOutputsParams] = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar (a dict is converted)."""
+
+    lora: Optional[LoRARequest] = None
+    """The LoRA adapter the request runs with (`LLM.generate(..., lora_request=...)`, a served adapter's name as
+    the request's `model`); None: the base model."""
 
     pooling: Optional[PoolingParams] = None
     """A pooling request (`LLM.embed`, `/v1/embeddings` on a `runner="pooling"` model): the prompt's pooled final

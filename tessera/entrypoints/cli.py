@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-images-per-prompt", type=int, default=None, metavar="N", help="refuse prompts with more")
     serve.add_argument("--served-model-name", default=None, help="the model id clients use (default: folder name)")
     serve.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default 1GiB)")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="serve PEFT LoRA adapters: a request whose model is NAME runs with the adapter at PATH")
     serve.add_argument("--enable-mm-embeds", action="store_true",
                        help="take precomputed image_embeds chat parts (base64 torch.save tensors, checked)")
     serve.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
@@ -130,6 +132,17 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
+
+
+def _lora_modules(values: Optional[list[str]]) -> Optional[dict[str, str]]:
+    """--lora-modules NAME=PATH ... as {name: path}."""
+    if not values:
+        return None
+    pairs = [value.partition("=") for value in values]
+    bad = [value for value, (name, eq, path) in zip(values, pairs) if not (name and eq and path)]
+    if bad:
+        raise ValueError(f"--lora-modules takes NAME=PATH pairs; got {', '.join(bad)}")
+    return {name: path for name, _, path in pairs}
 
 
 def _media_io_kwargs(text: str) -> dict[str, Any]:
@@ -284,7 +297,7 @@ def _serve(args: argparse.Namespace) -> int:
                      media_io_kwargs=args.media_io_kwargs, tool_call_parser=args.tool_call_parser,
                      data_parallel_size=args.data_parallel_size, shutdown_timeout=args.shutdown_timeout,
                      runner=args.runner, **({"pooler_config": args.pooler_config} if args.pooler_config else {}),
-                     enable_mm_embeds=args.enable_mm_embeds,
+                     enable_mm_embeds=args.enable_mm_embeds, lora_modules=_lora_modules(args.lora_modules),
                      **plugin_options_from_cli(args), **_mm_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
@@ -15,6 +16,7 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.prompt import PromptType
 from ..engine.transcription import transcription_output
 from ..layers.pooler import similarity
+from ..lora.request import LoRARequest
 from ..multimodal.audio import as_waveform, decode_audio
 from ..multimodal.media import (
     LOCAL_FILES,
@@ -56,8 +58,11 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         use_tqdm: bool = True,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (batched by the engine); outputs in prompt order.
+        """Generate for every prompt (batched by the engine); outputs in prompt order. `lora_request`: the LoRA
+        adapter to run with (one for all prompts, or one or None per prompt; requests of several adapters and of
+        the base model batch together).
 
         A prompt is a string, token ids, or {"prompt": str | "prompt_token_ids": [...],
         "multi_modal_data": {"image": image or [images], "video": video or [videos]}} (a video: a
@@ -70,6 +75,11 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"Got {len(params_list)} sampling params for {len(prompts)} prompts")
+        if lora_request is not None:
+            loras = [lora_request] * len(prompts) if isinstance(lora_request, LoRARequest) else list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"Got {len(loras)} LoRA requests for {len(prompts)} prompts")
+            params_list = [dataclasses.replace(p, lora=lora) for p, lora in zip(params_list, loras)]
         ids = self._add_all(prompts, params_list)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2) as bar:

@@ -36,6 +36,7 @@ from ..distributed import divide, get_tp_group
 from . import native_kernels
 from .cpu_kernels import NATIVE, PACKED, int8_linear, kernel_mode, linear_kernel, pack_weight, packed_linear
 from .int4_kernels import INT4_MM, int4_linear
+from .lora import apply_lora, lora_active
 
 
 class Linear(nn.Linear):
@@ -57,7 +58,14 @@ class Linear(nn.Linear):
         self.register_buffer("qweight", None)  # int8 [out, in] / uint8 [out, in / 2] (int4) once quantized
         self.register_buffer("qscale", None)  # [out] / [in / group, out, 2] (int4), the weight's dtype
 
+    lora_parts: Optional[dict] = None
+    """Loaded LoRA adapters' updates of this layer: adapter id -> its `lora.LoRAPart`s (layers/lora.py)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._forward(x)
+        return apply_lora(x, out, self.lora_parts) if self.lora_parts and lora_active() else out
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             flat = x.reshape(-1, x.shape[-1])
             if self.quant_kernel == NATIVE and self.quantization == "int4":

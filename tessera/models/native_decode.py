@@ -29,6 +29,7 @@ from ..layers.attention import get_attention_metadata
 from ..layers.cpu_kernels import kernel_mode
 from ..layers.layernorm import RMSNorm
 from ..layers.linear import Linear, RowParallelLinear
+from ..layers.lora import lora_active
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _unit_offset(norm: nn.Module) -> Optional[bool]:
 def native_layer_for_step(layer: nn.Module, hidden_states: torch.Tensor) -> Optional[NativeDecodeLayer]:
     """The native decode layer that runs `layer` on this step (built on the first decode step, kept in
     `layer._native`; False there once it cannot), or None: the step runs the eager modules."""
-    if layer._native is False or not is_decode_step(hidden_states):
+    if layer._native is False or not is_decode_step(hidden_states) or lora_active():  # adapters: eager modules
         return None
     if layer._native is None:
         layer._native = NativeDecodeLayer.build(layer, layer.mlp.activation) or False

@@ -86,7 +86,8 @@ class BlockManager:
         while (len(hashes) + 1) * self.block_size <= len(tokens):
             start = len(hashes) * self.block_size
             end = start + self.block_size
-            hasher = blake3(hashes[-1] if hashes else b"")
+            lora = request.sampling_params.lora  # an adapter's blocks hold its keys and values: its own cache
+            hasher = blake3(hashes[-1] if hashes else f"lora:{lora.lora_int_id}".encode() if lora else b"")
             hasher.update(np.asarray(tokens[start:end], dtype=np.int64).tobytes())
             for item in request.items_overlapping(start, end):
                 hasher.update(f"|{item.hash}@{item.start - start}".encode())

@@ -38,6 +38,7 @@ from ...tokenizer_utils import load_tokenizer
 from .block_manager import BlockManager
 from .core_io import EngineCoreInfo, EngineCoreOutput, EngineCoreRequest, EngineLimits
 from .encoder_cache import EncoderCache
+from .lora_manager import LoRAManager
 from .model_runner import EncoderInputError, ModelRunner, TensorParallelRanks
 from .request import Request, RequestStatus, processed_items
 from .scheduler import Scheduler, SchedulerOutput
@@ -89,6 +90,7 @@ class EngineCore:
         with tensor_parallel_group(group):  # the language model's layers take this rank's slice
             self.built = build_model(model_config, self.tokenizer)
         self.model, self.processor = self.built.model, self.built.processor
+        self.loras = LoRAManager(self.model, model_config.max_loras, tensor_parallel=self.workers is not None)
         self.pooler_config = self._pooler_config(model_config)
         if self.pooler_config is not None and self.pooler_config.pooling_type != "LAST":  # every token's state
             cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)  # (not the caller's)
@@ -190,6 +192,9 @@ class EngineCore:
         if request.request_id in self.requests:
             raise ValueError(f"Sequence id {request.request_id!r} is already in the engine")
         params = request.sampling_params
+        if params.lora is not None:
+            in_use = (r.sampling_params.lora.lora_int_id for r in self.requests.values() if r.sampling_params.lora)
+            self.loras.activate(params.lora, in_use)
         state = Request(
             request.request_id,
             request.prompt_token_ids,

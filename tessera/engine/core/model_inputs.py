@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ...layers.attention import AttentionMetadata, attention_metadata
+from ...layers.lora import lora_rows
 from ...layers.state_cache import copy_state_rows
 from ...models.interfaces import supports_multimodal
 
@@ -52,6 +53,9 @@ class ModelInputs:
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     """(snapshot row, slot): states copied before the step (a prefix-cache hit continues from its snapshot)."""
 
+    lora_ids: Optional[list[int]] = None
+    """Per token row, the LoRA adapter id of its request (0: none); None when no request has one."""
+
     pool_rows: list[int] = field(default_factory=list)
     """Rows whose final hidden states the step returns (pooling requests' tokens)."""
 
@@ -78,7 +82,8 @@ def run_model(
     else:
         inputs_embeds = model.get_input_embeddings(input_ids)
     copy_state_rows(model, inputs.state_restores)
-    with attention_metadata(metadata):
+    lora_ids = torch.tensor(inputs.lora_ids, device=device) if inputs.lora_ids else None
+    with attention_metadata(metadata), lora_rows(lora_ids):
         ids = input_ids if getattr(model, "takes_input_ids_with_embeds", False) else None  # Gemma 4's PLE reads them
         hidden = model(ids, inputs.positions.to(device), inputs_embeds=inputs_embeds)
     pooled = hidden[inputs.pool_rows] if inputs.pool_rows else None

@@ -108,6 +108,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[torch.Tensor] = []  # per request: [n] or, for M-RoPE, [3, n]
         is_multimodal, rows, sample_rows, sampling, pool_rows, pooling = [], [], [], [], [], []
+        lora_ids: list[int] = []
         for step in out.scheduled:
             request, start = step.request, step.request.num_computed_tokens
             end = start + step.num_new_tokens
@@ -120,6 +121,8 @@ class ModelRunner:
                 mask[lo : lo + len(item_mask)] = item_mask
                 rows.append(encoder_cache.get(item.hash)[item_rows])
             is_multimodal.append(mask)
+            lora = request.sampling_params.lora
+            lora_ids += [lora.lora_int_id if lora is not None else 0] * (end - start)
             if request.sampling_params.pooling is not None:  # every row: the pooler picks (last, mean, ...)
                 pool_rows += range(len(ids) - (end - start), len(ids))
                 pooling.append((request, end - start))
@@ -136,6 +139,7 @@ class ModelRunner:
             block_tables=[block_manager.blocks_of(s.request) for s in out.scheduled],
             sample_rows=sample_rows,
             pool_rows=pool_rows,
+            lora_ids=lora_ids if any(lora_ids) else None,
             is_multimodal=torch.cat(is_multimodal) if multimodal else None,
             mm_rows=rows if multimodal else None,
             bidirectional_spans=[_item_spans(s.request, self.bidirectional_modalities) for s in out.scheduled]

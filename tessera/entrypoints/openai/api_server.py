@@ -27,6 +27,7 @@ from ...config import engine_option_names
 from ...engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from ...engine.engine_client import EngineClient
 from ...errors import ServerBusyError
+from ...lora.request import LoRARequest
 from ...multimodal.media import MediaPolicy
 from .body_limit import BodySizeLimit
 from .http_server import GracefulServer, ServerThread, uvicorn_config
@@ -70,6 +71,7 @@ def build_app(
     media_io_kwargs: Optional[dict[str, Any]] = None,
     tool_call_parser: Optional[str] = None,
     enable_mm_embeds: bool = False,
+    lora_modules: Optional[dict[str, str]] = None,
 ) -> FastAPI:
     """The app for a running engine (an `AsyncEngine`); `api_key` guards /v1/* and /tokenize. The default media
     policy fetches public http(s) URLs and reads no local files; `allowed_media_dir`,
@@ -78,7 +80,9 @@ def build_app(
     request's own say otherwise. `tool_call_parser` (vLLM's --tool-call-parser: "hermes",
     "llama3_json", "mistral") reads tool calls out of answers to requests with tools; None: "hermes"
     when the model's chat template writes `<tool_call>`, else none (such requests are refused).
-    `enable_mm_embeds`: take precomputed `image_embeds` chat parts (checked: multimodal/embeds.py)."""
+    `enable_mm_embeds`: take precomputed `image_embeds` chat parts (checked: multimodal/embeds.py).
+    `lora_modules` ({name: PEFT adapter folder}, vLLM's --lora-modules): a request whose `model` is one of the
+    names runs with that adapter (loaded on first use)."""
     media_policy = media_policy or MediaPolicy(fetch_urls=True)
     legacy = {
         "allowed_local_dir": allowed_media_dir,
@@ -97,8 +101,10 @@ def build_app(
         parser = get_tool_parser(tool_call_parser)
     else:
         parser = default_tool_parser(engine.chat_template)
+    adapters = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate((lora_modules or {}).items())}
     serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format,
-                            media_io_kwargs, tool_parser=parser, enable_mm_embeds=enable_mm_embeds)  # fmt: skip
+                            media_io_kwargs, tool_parser=parser, enable_mm_embeds=enable_mm_embeds,
+                            lora_modules=adapters)  # fmt: skip
     transcriptions = OpenAIServingTranscription(engine, metrics, media)
     embeddings = OpenAIServingEmbedding(serving, model_name)
     responses = OpenAIServingResponses(serving)
@@ -164,7 +170,7 @@ def build_app(
         )
 
     def check_model(name: Optional[str]) -> None:
-        if name not in (None, model_name, model_path):
+        if name not in (None, model_name, model_path, *adapters):
             raise StarletteHTTPException(404, f"The model {name!r} does not exist; this server serves {model_name!r}.")
 
     async def respond(raw: Request, work: Awaitable[Any]) -> Response:
@@ -231,7 +237,9 @@ def build_app(
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "tessera", "root": model_path,
                 "max_model_len": engine.max_model_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+        cards = [card] + [{**card, "id": name, "root": lora.lora_path, "parent": model_name}
+                          for name, lora in adapters.items()]  # fmt: skip
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health() -> Response:

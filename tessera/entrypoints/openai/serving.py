@@ -18,6 +18,7 @@ from ...engine.chat_utils import ContentFormat, parse_chat_media
 from ...engine.engine_client import EngineClient
 from ...engine.prompt import check_text_length
 from ...errors import InputError
+from ...lora.request import LoRARequest
 from ...multimodal.embeds import ImageEmbedsRef
 from ...multimodal.media import merge_media_io_kwargs
 from ...outputs import CompletionOutput, RequestOutput
@@ -42,8 +43,10 @@ class OpenAIServing:
         media_io_kwargs: Optional[dict[str, Any]] = None,
         tool_parser: Optional[ToolParser] = None,
         enable_mm_embeds: bool = False,
+        lora_modules: Optional[dict[str, LoRARequest]] = None,
     ) -> None:
         self.engine = engine
+        self.lora_modules = dict(lora_modules or {})  # served adapter name -> its LoRARequest (--lora-modules)
         self.enable_mm_embeds = enable_mm_embeds  # take image_embeds parts (vLLM's --enable-mm-embeds)
         self.tool_parser = tool_parser  # reads tool calls out of answers to requests with tool_choice "auto"
         self.media_io_kwargs = merge_media_io_kwargs(media_io_kwargs)  # the server's; a request's go over them
@@ -179,6 +182,7 @@ class OpenAIServing:
         constraint: Optional[dict] = None,
     ) -> Any:
         params = request.to_sampling_params()
+        params.lora = self.lora_modules.get(request.model)  # a served adapter's name picks it; else the base model
         if constraint is not None:  # the JSON schema of a forced tool call
             if getattr(params, "structured_outputs", None) is not None:
                 raise UnsupportedParameter(
