@@ -14,18 +14,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Union
 
 import torch
 
-_rows: Optional[torch.Tensor] = None  # [T] adapter id per token row of the running step
+_rows: Union[torch.Tensor, int, None] = None  # [T] adapter id per token row of the running step, or one for all
 
 
 @contextmanager
-def lora_rows(ids: Optional[torch.Tensor]) -> Iterator[None]:
-    """Run a step whose token rows belong to these adapters ([T] ids, 0 for none; None: no adapter at all)."""
+def lora_rows(ids: Union[torch.Tensor, int, None]) -> Iterator[None]:
+    """Run a step whose token rows belong to these adapters ([T] ids, 0 for none; None: no adapter at all), or
+    whose every row belongs to one adapter (an int: an encoder run for the items of one adapter's requests)."""
     global _rows
-    previous, _rows = _rows, (ids if ids is not None and bool(ids.any()) else None)
+    if isinstance(ids, torch.Tensor) and not bool(ids.any()):
+        ids = None
+    previous, _rows = _rows, (ids or None) if isinstance(ids, int) else ids
     try:
         yield
     finally:
@@ -52,6 +55,11 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, parts: dict[int, list[LoRAPar
     if _rows is None or not parts:
         return out
     flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+    if isinstance(_rows, int):  # every row: one adapter's encoder run
+        for part in parts.get(_rows, []):
+            delta = (flat_x @ part.a.T.to(flat_x.dtype)) @ part.b.T.to(flat_x.dtype)
+            flat_out[:, part.rows] += (delta * part.scale).to(flat_out.dtype)
+        return out
     for adapter in torch.unique(_rows).tolist():
         if adapter == 0 or adapter not in parts:
             continue

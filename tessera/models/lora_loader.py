@@ -26,8 +26,9 @@ from .loader import _rename, _shard_targets
 PEFT_PREFIX = "base_model.model."
 
 
-def load_lora(model: nn.Module, request: LoRARequest) -> int:
-    """Add the adapter's updates to the model's Linears under `request.lora_int_id`; how many layers it adapts.
+def load_lora(model: nn.Module, request: LoRARequest) -> list[str]:
+    """Add the adapter's updates to the model's Linears under `request.lora_int_id`; the names of the layers it
+    adapts (the language model's, and the vision tower's or projector's where the adapter has them).
     A folder that is not a PEFT LoRA adapter, or one this model cannot run, raises InputError naming why."""
     folder = Path(request.lora_path)
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
@@ -47,15 +48,15 @@ def load_lora(model: nn.Module, request: LoRARequest) -> int:
             raise InputError(f"LoRA adapter {request.lora_name!r}: unexpected tensor {name}.")
         pairs.setdefault(path, {})[kind[0]] = tensor
     targets, prefixes = _shard_targets(model), getattr(model, "hf_to_tessera_prefixes", {})
-    parts: list[tuple[Linear, LoRAPart]] = []
+    parts: list[tuple[str, Linear, LoRAPart]] = []
     for path, pair in pairs.items():  # every part checked before any layer changes
         name = _rename(f"{path}.weight", prefixes)
         fused, rows = targets.get(name, (name, slice(None)))
         module = model.get_submodule(fused.rpartition(".")[0]) if "." in fused else None
         if not isinstance(module, Linear) or getattr(getattr(module, "tp", None), "world_size", 1) > 1:
             raise InputError(
-                f"LoRA adapter {request.lora_name!r}: {path} is not a language-model linear layer "
-                "Tessera adapts (vision-tower adapters and tensor parallelism are not supported)."
+                f"LoRA adapter {request.lora_name!r}: {path} is not a linear layer Tessera adapts (or tensor "
+                "parallelism is on, which adapters do not support yet)."
             )
         rows = slice(rows.start or 0, rows.stop if rows.stop is not None else module.out_features)
         a, b = pair.get("A"), pair.get("B")
@@ -65,12 +66,12 @@ def load_lora(model: nn.Module, request: LoRARequest) -> int:
                 f"(rank {rank}, {module.in_features} inputs, {rows.stop - rows.start} outputs)."
             )
         dtype = module.weight.dtype if module.weight.is_floating_point() else torch.float32
-        parts.append((module, LoRAPart(a.to(dtype), b.to(dtype), scale, rows)))
-    for module, part in parts:
+        parts.append((fused.rpartition(".")[0], module, LoRAPart(a.to(dtype), b.to(dtype), scale, rows)))
+    for _, module, part in parts:
         if module.lora_parts is None:
             module.lora_parts = {}
         module.lora_parts.setdefault(request.lora_int_id, []).append(part)
-    return len({id(module) for module, _ in parts})
+    return sorted({name for name, _, _ in parts})
 
 
 def unload_lora(model: nn.Module, lora_int_id: int) -> None:

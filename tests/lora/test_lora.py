@@ -1,8 +1,9 @@
 """LoRA adapters per request against first principles: HF transformers' model with each adapter merged into its
 weights (W + alpha / r * B @ A, as PEFT merges) gives the greedy tokens Tessera gives with the adapter unmerged, for
 two adapters (one on attention with q/v fused into qkv, one rsLoRA on the MLP and k) and the base model in one
-batch, also in prefill chunks; an adapter's cached blocks never serve another adapter or the base model; bad
-adapters are refused by name."""
+batch, also in prefill chunks, and on the tiny LLaVA with an adapter of the vision tower and projector; an
+adapter's cached blocks never serve another adapter or the base model; bad adapters are refused by name; served
+adapters are chosen by the request's model name."""
 
 from __future__ import annotations
 
@@ -143,3 +144,44 @@ def test_served_adapters_are_chosen_by_model_name(adapted):
                 assert want.outputs[0].token_ids == expected[name if lora else None][1]
     finally:
         engine.shutdown()
+
+
+def test_a_vision_tower_adapter_and_a_language_model_adapter_with_images(tiny_llava_dir, tmp_path):
+    """On the tiny LLaVA: one adapter of the CLIP tower's attention and MLP, the projector and the decoder's q, one
+    of the decoder's MLP, and the base model, one image prompt each, in one batch = HF with each merged. The
+    image's encoder output under the vision adapter is its own (cached apart from the base model's)."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from testkit import random_images
+
+    hf = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir).eval()
+    processor = AutoProcessor.from_pretrained(tiny_llava_dir)
+    image = random_images([(40, 30)], seed=3)[0]
+    prompt = "USER: <image>\nWhat is this? ASSISTANT:"
+    inputs = processor(text=prompt, images=image, return_tensors="pt")
+
+    def greedy(model):
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None)
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+    expected, loras = [], []
+    adapters = [("vision", ["q_proj", "fc1", "linear_1"], 4, 8), ("language", ["gate_proj", "down_proj"], 2, 4)]
+    for i, (name, targets, rank, alpha) in enumerate(adapters):
+        deltas = write_adapter(tmp_path / name, hf, targets, rank, alpha, False, seed=10 + i)
+        assert name != "vision" or any("vision_tower" in key for key in deltas)
+        merged = copy.deepcopy(hf)
+        state = merged.state_dict()
+        with torch.no_grad():
+            for key, delta in deltas.items():
+                state[key] += delta
+        merged.load_state_dict(state)
+        expected.append(greedy(merged))
+        loras.append(LoRARequest(name, i + 1, str(tmp_path / name)))
+    expected.append(greedy(hf))
+    assert len({tuple(e) for e in expected}) == 3
+    llm = LLM(str(tiny_llava_dir), kv_cache_memory="8MiB")
+    request = {"prompt": prompt, "multi_modal_data": {"image": image}}
+    outputs = llm.generate([request] * 3, GREEDY, lora_request=[*loras, None], use_tqdm=False)
+    assert tokens(outputs) == expected
+    assert llm.engine.core.loras.adapts_encoder == {1}

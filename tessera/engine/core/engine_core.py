@@ -195,12 +195,13 @@ class EngineCore:
         if params.lora is not None:
             in_use = (r.sampling_params.lora.lora_int_id for r in self.requests.values() if r.sampling_params.lora)
             self.loras.activate(params.lora, in_use)
+        items = self.loras.items_for(params.lora, request.mm_items) if params.lora else request.mm_items
         state = Request(
             request.request_id,
             request.prompt_token_ids,
             params,
             eos_token_ids=self.eos_token_ids,
-            mm_items=request.mm_items,
+            mm_items=items,
             arrival_time=request.arrival_time,
         )
         if params.structured_outputs is not None:  # compiled once per constraint, then cached

@@ -18,6 +18,7 @@ from ...errors import WorkerDiedError
 from ...layers.cpu_kernels import describe_cpu_kernels
 from ...layers.kv_cache import allocate_kv_cache
 from ...layers.linear import pack_linears_for_cpu
+from ...layers.lora import lora_rows
 from ...layers.sampler import SamplerOutput, sample
 from ...layers.state_cache import allocate_state_cache
 from ...models.interfaces import supports_mrope, supports_multimodal
@@ -176,7 +177,7 @@ class ModelRunner:
         outputs are cached), so that only the requests holding them fail."""
         items = {item.hash: item for step in out.scheduled for item in step.encode}  # unique, in order
         failed: dict[str, BaseException] = {}
-        for _, group in group_by_modality(items.values(), lambda item: item.modality):
+        for _, group in group_by_modality(items.values(), lambda item: (item.modality, item.lora_int_id)):
             try:
                 self._encode_items(group, out, encoder_cache)
             except WorkerDiedError:
@@ -202,7 +203,8 @@ class ModelRunner:
 
     def _encode_items(self, items: list[MultiModalItem], out: SchedulerOutput, encoder_cache: EncoderCache) -> None:
         kwargs = MultiModalKwargs.from_items([item.kwargs for item in items])
-        embeddings = self.model.get_multimodal_embeddings(**kwargs)
+        with lora_rows(items[0].lora_int_id):  # one adapter per group (0: the base model's encoder)
+            embeddings = self.model.get_multimodal_embeddings(**kwargs)
         rows = [e.reshape(-1, e.shape[-1]) for e in embeddings]
         for item, item_rows in zip(items, rows):
             if item_rows.shape[0] != item.num_embeds:

@@ -36,6 +36,8 @@ class MultiModalItem:
     hash: str
     kwargs: MultiModalKwargsItem
     placeholder: PlaceholderRange
+    lora_int_id: int = 0
+    """The LoRA adapter its encoder run takes (one that adapts the vision tower or projector; its hash says so)."""
 
     @property
     def start(self) -> int:
