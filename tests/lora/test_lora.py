@@ -185,3 +185,38 @@ def test_a_vision_tower_adapter_and_a_language_model_adapter_with_images(tiny_ll
     outputs = llm.generate([request] * 3, GREEDY, lora_request=[*loras, None], use_tqdm=False)
     assert tokens(outputs) == expected
     assert llm.engine.core.loras.adapts_encoder == {1}
+
+
+def test_adapters_load_and_unload_at_run_time_behind_the_flag(adapted, tmp_path):
+    """/v1/load_lora_adapter and /v1/unload_lora_adapter: off by default (a 400 naming the flag); on, a loaded adapter
+    answers as offline and an unloaded one is a 404 model; a folder that is no adapter is a 400."""
+    import httpx
+
+    from tessera.engine.async_engine import AsyncEngine
+    from tessera.engine.llm_engine import LLMEngine
+    from tessera.entrypoints.openai.api_server import ServerThread, build_app
+
+    folder, requests, expected = adapted
+    engine = AsyncEngine(LLMEngine.from_options(str(folder), kv_cache_memory="4MiB"))
+    body = {"lora_name": "mlp", "lora_path": requests["mlp"].lora_path}
+    completion = {"model": "mlp", "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    try:
+        with ServerThread(build_app(engine, model_name="base")) as url:
+            response = httpx.post(url + "/v1/load_lora_adapter", json=body)
+            assert response.status_code == 400 and "--allow-runtime-lora-updating" in response.text
+        with ServerThread(build_app(engine, model_name="base", allow_runtime_lora_updating=True)) as url:
+            assert httpx.post(url + "/v1/completions", json=completion).status_code == 404
+            assert httpx.post(url + "/v1/load_lora_adapter", json=body).status_code == 200
+            reply = httpx.post(url + "/v1/completions", json=completion, timeout=60).json()
+            offline = LLM(str(folder), kv_cache_memory="4MiB")
+            (want,) = offline.generate(PROMPTS[1], GREEDY, lora_request=requests["mlp"], use_tqdm=False)
+            assert (
+                reply["choices"][0]["text"] == want.outputs[0].text and want.outputs[0].token_ids == expected["mlp"][1]
+            )
+            bad = {"lora_name": "nothing", "lora_path": str(tmp_path)}
+            response = httpx.post(url + "/v1/load_lora_adapter", json=bad)
+            assert response.status_code == 400 and "adapter_config.json" in response.text
+            assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
+            assert httpx.post(url + "/v1/completions", json=completion).status_code == 404
+    finally:
+        engine.shutdown()

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import itertools
 import logging
 import signal
 import threading
@@ -37,8 +38,11 @@ from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     UnsupportedParameter,
+    check_adapter_folder,
     error_body,
 )
 from .serving import OpenAIServing
@@ -72,6 +76,7 @@ def build_app(
     tool_call_parser: Optional[str] = None,
     enable_mm_embeds: bool = False,
     lora_modules: Optional[dict[str, str]] = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The app for a running engine (an `AsyncEngine`); `api_key` guards /v1/* and /tokenize. The default media
     policy fetches public http(s) URLs and reads no local files; `allowed_media_dir`,
@@ -82,7 +87,8 @@ def build_app(
     when the model's chat template writes `<tool_call>`, else none (such requests are refused).
     `enable_mm_embeds`: take precomputed `image_embeds` chat parts (checked: multimodal/embeds.py).
     `lora_modules` ({name: PEFT adapter folder}, vLLM's --lora-modules): a request whose `model` is one of the
-    names runs with that adapter (loaded on first use)."""
+    names runs with that adapter (loaded on first use); `allow_runtime_lora_updating` opens
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     media_policy = media_policy or MediaPolicy(fetch_urls=True)
     legacy = {
         "allowed_local_dir": allowed_media_dir,
@@ -102,6 +108,7 @@ def build_app(
     else:
         parser = default_tool_parser(engine.chat_template)
     adapters = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate((lora_modules or {}).items())}
+    adapter_ids = itertools.count(len(adapters) + 1)  # an id is never reused: the engine keys caches by it
     serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format,
                             media_io_kwargs, tool_parser=parser, enable_mm_embeds=enable_mm_embeds,
                             lora_modules=adapters)  # fmt: skip
@@ -225,6 +232,28 @@ def build_app(
     async def rerank(request: RerankRequest, raw: Request) -> Response:
         check_model(request.model)
         return await respond(raw, scoring.rerank(request))
+
+    runtime_off = "Adapters are fixed at start; start the server with --allow-runtime-lora-updating to change them."
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        if not allow_runtime_lora_updating:
+            return error(400, runtime_off)
+        if request.lora_name in adapters or request.lora_name in (model_name, model_path):
+            return error(400, f"The name {request.lora_name!r} is already served.", param="lora_name")
+        check_adapter_folder(request.lora_name, request.lora_path)
+        adapters[request.lora_name] = LoRARequest(request.lora_name, next(adapter_ids), request.lora_path)
+        serving.lora_modules[request.lora_name] = adapters[request.lora_name]
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        if not allow_runtime_lora_updating:
+            return error(400, runtime_off)
+        if adapters.pop(request.lora_name, None) is None:
+            return error(404, f"No adapter named {request.lora_name!r} is served.", "not_found_error", "lora_name")
+        serving.lora_modules.pop(request.lora_name, None)  # its weights go when the engine needs the slot
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest, raw: Request) -> Response:

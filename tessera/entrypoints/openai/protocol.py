@@ -7,6 +7,7 @@ that only label the request for the caller's own bookkeeping (`user`, `metadata`
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -196,6 +197,28 @@ class EmbeddingRequest(BaseModel):
         if isinstance(given, str) or (given and isinstance(given[0], int)):
             return [given]  # type: ignore[list-item]
         return list(given or [])
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: Optional[int] = None  # vLLM's; the name decides
+
+
+def check_adapter_folder(name: str, path: str) -> None:
+    """A 400 naming the problem unless `path` is a PEFT adapter folder (its weights load on first use)."""
+    folder = Path(path)
+    if not (folder / "adapter_config.json").is_file() or not (folder / "adapter_model.safetensors").is_file():
+        raise UnsupportedParameter("lora_path", f"LoRA adapter {name!r}: {path} needs adapter_config.json and "
+                                   "adapter_model.safetensors (PEFT's format).")  # fmt: skip
 
 
 class TranscriptionRequest(BaseModel):
