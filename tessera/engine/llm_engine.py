@@ -196,6 +196,7 @@ def core_requests(
         sequence_params = dataclasses.replace(params, n=1, seed=seed, max_tokens=max_tokens)
         sequence_id = request_id if params.n == 1 else f"{request_id}#{index}"
         requests.append(
-            EngineCoreRequest(sequence_id, inputs.token_ids, sequence_params, inputs.mm_items, arrival_time)
+            EngineCoreRequest(sequence_id, inputs.token_ids, sequence_params, inputs.mm_items, arrival_time,
+                              inputs.prompt_embeds)  # fmt: skip
         )
     return requests

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
+import torch
+
 from ..errors import InputError, InputTooLargeError
 from .core.request import MultiModalItem, processed_items
 
@@ -25,6 +27,9 @@ class PromptInputs:
     prompt: Optional[str]
     token_ids: list[int]
     mm_items: list[MultiModalItem]
+    prompt_embeds: Optional[Any] = None
+    """A prompt given as embeddings [T, hidden] (`{"prompt_embeds": tensor}`): its rows replace the token embeddings
+    of `token_ids` (T placeholder ids, 0), as HF's `inputs_embeds`."""
 
 
 class PromptContext(Protocol):
@@ -44,6 +49,8 @@ def process_prompt(engine: PromptContext, prompt: PromptType, truncate_to: Optio
         prompt = {"prompt_token_ids": prompt}
     if not isinstance(prompt, Mapping):
         raise InputError(f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+    if prompt.get("prompt_embeds") is not None:
+        return _embeds_prompt(engine, prompt)
     text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
     if (text is None) == (token_ids is None):
         raise InputError('A prompt dict needs exactly one of "prompt" and "prompt_token_ids"')
@@ -63,6 +70,24 @@ def process_prompt(engine: PromptContext, prompt: PromptType, truncate_to: Optio
     mm_uuids = _checked_mm_uuids(prompt.get("multi_modal_uuids"), engine.processor.data_parser, mm_data)
     processed = engine.processor.apply(text if token_ids is None else token_ids, mm_data, mm_kwargs, mm_uuids=mm_uuids)
     return _truncated(PromptInputs(text, processed["prompt_token_ids"], processed_items(processed)), truncate_to)
+
+
+def _embeds_prompt(engine: PromptContext, prompt: Mapping[str, Any]) -> PromptInputs:
+    """`{"prompt_embeds": [T, hidden] float tensor}` (nothing else: no text, ids or items) as inputs."""
+    extra = sorted(key for key, value in prompt.items() if key != "prompt_embeds" and value)
+    if extra:
+        raise InputError(f"A prompt_embeds prompt takes nothing else; remove {', '.join(extra)}.")
+    if getattr(engine.model_config.hf_config.get_text_config(), "hidden_size_per_layer_input", 0):
+        raise InputError("This model looks up per-layer embeddings by token id (Gemma 4): it takes no prompt_embeds.")
+    embeds = prompt["prompt_embeds"]
+    hidden = engine.model_config.hf_config.get_text_config().hidden_size
+    if not isinstance(embeds, torch.Tensor) or embeds.ndim != 2 or not embeds.is_floating_point():
+        raise InputError(f"prompt_embeds must be a float tensor [tokens, {hidden}].")
+    if embeds.shape[1] != hidden or embeds.shape[0] == 0:
+        raise InputError(f"prompt_embeds has shape {tuple(embeds.shape)}; this model takes [tokens, {hidden}].")
+    if not torch.isfinite(embeds).all():
+        raise InputError("prompt_embeds holds NaN or infinite values.")
+    return PromptInputs(None, [0] * embeds.shape[0], [], embeds.detach().cpu())
 
 
 def _checked_mm_processor_kwargs(kwargs: Any) -> Mapping[str, Any]:

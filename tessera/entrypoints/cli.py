@@ -90,8 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default 1GiB)")
     serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                        help="serve PEFT LoRA adapters: a request whose model is NAME runs with the adapter at PATH")
+    serve.add_argument("--max-loras", type=int, default=None, metavar="N",
+                       help="LoRA adapters held at once (default 4; the least recently used idle one makes room)")
     serve.add_argument("--allow-runtime-lora-updating", action="store_true",
                        help="open /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    serve.add_argument("--enable-prompt-embeds", action="store_true",
+                       help="take completions' prompt_embeds (base64 torch.save tensors, checked)")
     serve.add_argument("--enable-mm-embeds", action="store_true",
                        help="take precomputed image_embeds chat parts (base64 torch.save tensors, checked)")
     serve.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
@@ -301,6 +305,8 @@ def _serve(args: argparse.Namespace) -> int:
                      runner=args.runner, **({"pooler_config": args.pooler_config} if args.pooler_config else {}),
                      enable_mm_embeds=args.enable_mm_embeds, lora_modules=_lora_modules(args.lora_modules),
                      allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                     enable_prompt_embeds=args.enable_prompt_embeds,
+                     **({"max_loras": args.max_loras} if args.max_loras else {}),
                      **plugin_options_from_cli(args), **_mm_kwargs(args))  # fmt: skip
     except (ValueError, OSError) as e:
         print(f"tessera: error: {e}", file=sys.stderr)

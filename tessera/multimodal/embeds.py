@@ -25,8 +25,8 @@ class ImageEmbedsRef:
 
 
 def decode_image_embeds(data: Any, hidden_size: int, max_rows: int, where: str = "image_embeds") -> torch.Tensor:
-    """The checked [features, hidden_size] float tensor of a base64 `torch.save` payload; InputError naming what is
-    wrong otherwise."""
+    """The checked [rows, hidden_size] float tensor of a base64 `torch.save` payload (an `image_embeds` part's, or a
+    completion's `prompt_embeds`); InputError naming what is wrong otherwise."""
     if not isinstance(data, str):
         raise InputError(f"{where} must be a base64 string of a tensor saved with torch.save, "
                          f"got {type(data).__name__}.")  # fmt: skip
@@ -44,7 +44,7 @@ def decode_image_embeds(data: Any, hidden_size: int, max_rows: int, where: str =
     if tensor.shape[1] != hidden_size:
         raise InputError(f"{where} has hidden size {tensor.shape[1]}; this model's is {hidden_size}.")
     if not 0 < tensor.shape[0] <= max_rows:
-        raise InputError(f"{where} has {tensor.shape[0]} rows; an image takes 1 to {max_rows} here.")
+        raise InputError(f"{where} has {tensor.shape[0]} rows; it takes 1 to {max_rows} here.")
     if not torch.isfinite(tensor).all():
         raise InputError(f"{where} holds NaN or infinite values.")
     return tensor

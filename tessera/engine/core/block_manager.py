@@ -86,8 +86,7 @@ class BlockManager:
         while (len(hashes) + 1) * self.block_size <= len(tokens):
             start = len(hashes) * self.block_size
             end = start + self.block_size
-            lora = request.sampling_params.lora  # an adapter's blocks hold its keys and values: its own cache
-            hasher = blake3(hashes[-1] if hashes else f"lora:{lora.lora_int_id}".encode() if lora else b"")
+            hasher = blake3(hashes[-1] if hashes else _first_block_seed(request))
             hasher.update(np.asarray(tokens[start:end], dtype=np.int64).tobytes())
             for item in request.items_overlapping(start, end):
                 hasher.update(f"|{item.hash}@{item.start - start}".encode())
@@ -232,3 +231,13 @@ class BlockManager:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+def _first_block_seed(request: Request) -> bytes:
+    """What a request's first block hash starts from: its LoRA adapter (an adapter's blocks hold its own keys and
+    values) and the hash of its prompt embeddings (their placeholder ids say nothing); empty for plain prompts."""
+    lora = request.sampling_params.lora
+    seed = f"lora:{lora.lora_int_id}" if lora is not None else ""
+    if request.embeds_hash is not None:
+        seed += f"|embeds:{request.embeds_hash}"
+    return seed.encode()

@@ -91,6 +91,7 @@ class EngineCoreRequest:
     sampling_params: SamplingParams  # n == 1; max_tokens within the context
     mm_items: list[MultiModalItem] = field(default_factory=list)
     arrival_time: Optional[float] = None
+    prompt_embeds: Optional[Any] = None  # [T, hidden] rows standing for the prompt's tokens (PromptInputs)
 
 
 @dataclass

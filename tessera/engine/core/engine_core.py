@@ -203,6 +203,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             mm_items=items,
             arrival_time=request.arrival_time,
+            prompt_embeds=request.prompt_embeds,
         )
         if params.structured_outputs is not None:  # compiled once per constraint, then cached
             state.structured_output = self.structured_output.new_request(params.structured_outputs)

@@ -53,6 +53,12 @@ class ModelInputs:
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     """(snapshot row, slot): states copied before the step (a prefix-cache hit continues from its snapshot)."""
 
+    embeds_mask: Optional[torch.Tensor] = None
+    """[T] bool, True where a prompt_embeds row replaces the token's embedding."""
+
+    embeds_rows: Optional[torch.Tensor] = None
+    """Those rows [n, hidden], in order."""
+
     lora_ids: Optional[list[int]] = None
     """Per token row, the LoRA adapter id of its request (0: none); None when no request has one."""
 
@@ -81,6 +87,8 @@ def run_model(
         inputs_embeds = model.get_input_embeddings(input_ids, inputs.mm_rows or None, is_multimodal=mask)
     else:
         inputs_embeds = model.get_input_embeddings(input_ids)
+    if inputs.embeds_rows is not None:  # prompts given as embeddings (HF's inputs_embeds)
+        inputs_embeds[inputs.embeds_mask.to(device)] = inputs.embeds_rows.to(device, inputs_embeds.dtype)
     copy_state_rows(model, inputs.state_restores)
     lora_ids = torch.tensor(inputs.lora_ids, device=device) if inputs.lora_ids else None
     with attention_metadata(metadata), lora_rows(lora_ids):

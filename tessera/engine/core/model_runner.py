@@ -110,6 +110,7 @@ class ModelRunner:
         positions: list[torch.Tensor] = []  # per request: [n] or, for M-RoPE, [3, n]
         is_multimodal, rows, sample_rows, sampling, pool_rows, pooling = [], [], [], [], [], []
         lora_ids: list[int] = []
+        embeds_mask, embeds_rows = [], []  # prompt_embeds: the rows that replace their placeholders' embeddings
         for step in out.scheduled:
             request, start = step.request, step.request.num_computed_tokens
             end = start + step.num_new_tokens
@@ -122,6 +123,12 @@ class ModelRunner:
                 mask[lo : lo + len(item_mask)] = item_mask
                 rows.append(encoder_cache.get(item.hash)[item_rows])
             is_multimodal.append(mask)
+            given = torch.zeros(end - start, dtype=torch.bool)
+            if request.prompt_embeds is not None and start < request.num_prompt_tokens:
+                stop = min(end, request.num_prompt_tokens)
+                given[: stop - start] = True
+                embeds_rows.append(request.prompt_embeds[start:stop])
+            embeds_mask.append(given)
             lora = request.sampling_params.lora
             lora_ids += [lora.lora_int_id if lora is not None else 0] * (end - start)
             if request.sampling_params.pooling is not None:  # every row: the pooler picks (last, mean, ...)
@@ -141,6 +148,8 @@ class ModelRunner:
             sample_rows=sample_rows,
             pool_rows=pool_rows,
             lora_ids=lora_ids if any(lora_ids) else None,
+            embeds_mask=torch.cat(embeds_mask) if embeds_rows else None,
+            embeds_rows=torch.cat(embeds_rows) if embeds_rows else None,
             is_multimodal=torch.cat(is_multimodal) if multimodal else None,
             mm_rows=rows if multimodal else None,
             bidirectional_spans=[_item_spans(s.request, self.bidirectional_modalities) for s in out.scheduled]

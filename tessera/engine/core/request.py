@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -102,8 +103,13 @@ class Request:
         arrival_time: Optional[float] = None,
         parent_id: Optional[str] = None,
         index: int = 0,
+        prompt_embeds: Optional[torch.Tensor] = None,
     ) -> None:
         self.request_id = request_id
+        self.prompt_embeds = prompt_embeds  # [P, hidden]: the prompt's rows instead of its tokens' embeddings
+        # what its cached blocks are keyed by instead of its placeholder ids
+        self.embeds_hash = hashlib.sha256(prompt_embeds.float().numpy().tobytes()).hexdigest() \
+            if prompt_embeds is not None else None
         self.parent_id = parent_id or request_id
         self.index = index  # which of the parent's n outputs this is
         self.prompt = prompt

@@ -77,6 +77,7 @@ def build_app(
     enable_mm_embeds: bool = False,
     lora_modules: Optional[dict[str, str]] = None,
     allow_runtime_lora_updating: bool = False,
+    enable_prompt_embeds: bool = False,
 ) -> FastAPI:
     """The app for a running engine (an `AsyncEngine`); `api_key` guards /v1/* and /tokenize. The default media
     policy fetches public http(s) URLs and reads no local files; `allowed_media_dir`,
@@ -111,7 +112,7 @@ def build_app(
     adapter_ids = itertools.count(len(adapters) + 1)  # an id is never reused: the engine keys caches by it
     serving = OpenAIServing(engine, metrics, model_name, media, max_images_per_prompt, chat_template_content_format,
                             media_io_kwargs, tool_parser=parser, enable_mm_embeds=enable_mm_embeds,
-                            lora_modules=adapters)  # fmt: skip
+                            lora_modules=adapters, enable_prompt_embeds=enable_prompt_embeds)  # fmt: skip
     transcriptions = OpenAIServingTranscription(engine, metrics, media)
     embeddings = OpenAIServingEmbedding(serving, model_name)
     responses = OpenAIServingResponses(serving)

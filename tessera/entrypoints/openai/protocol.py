@@ -139,11 +139,18 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[int]]
+    prompt: Union[str, list[int], None] = None
+    prompt_embeds: Optional[str] = None  # vLLM's: base64 of a torch.save'd [tokens, hidden] tensor (needs the flag)
     max_tokens: Optional[int] = Field(default=16, ge=1)  # the OpenAI default for completions
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     multi_modal_uuids: Optional[dict[str, Any]] = None
     """Ids of the prompt's inline images (vLLM's shape): {"image": [id or null per <img>, in order]}."""
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "CompletionRequest":
+        if (self.prompt is None) == (self.prompt_embeds is None):
+            raise ValueError('Send exactly one of "prompt" and "prompt_embeds".')
+        return self
 
     def to_sampling_params(self) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs)

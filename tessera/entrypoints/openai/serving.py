@@ -19,7 +19,7 @@ from ...engine.engine_client import EngineClient
 from ...engine.prompt import check_text_length
 from ...errors import InputError
 from ...lora.request import LoRARequest
-from ...multimodal.embeds import ImageEmbedsRef
+from ...multimodal.embeds import ImageEmbedsRef, decode_image_embeds
 from ...multimodal.media import merge_media_io_kwargs
 from ...outputs import CompletionOutput, RequestOutput
 from .media_loader import AsyncMediaLoader
@@ -44,10 +44,12 @@ class OpenAIServing:
         tool_parser: Optional[ToolParser] = None,
         enable_mm_embeds: bool = False,
         lora_modules: Optional[dict[str, LoRARequest]] = None,
+        enable_prompt_embeds: bool = False,
     ) -> None:
         self.engine = engine
         self.lora_modules = dict(lora_modules or {})  # served adapter name -> its LoRARequest (--lora-modules)
         self.enable_mm_embeds = enable_mm_embeds  # take image_embeds parts (vLLM's --enable-mm-embeds)
+        self.enable_prompt_embeds = enable_prompt_embeds  # take completions' prompt_embeds (--enable-prompt-embeds)
         self.tool_parser = tool_parser  # reads tool calls out of answers to requests with tool_choice "auto"
         self.media_io_kwargs = merge_media_io_kwargs(media_io_kwargs)  # the server's; a request's go over them
         self.metrics = metrics
@@ -145,6 +147,14 @@ class OpenAIServing:
         return self.preprocessor.media_io_for(request.media_io_kwargs, request.mm_processor_kwargs)
 
     async def completion(self, request: CompletionRequest) -> Any:
+        if request.prompt_embeds is not None:
+            if not self.enable_prompt_embeds:
+                raise UnsupportedParameter("prompt_embeds", "prompt_embeds need a server started with "
+                                           "--enable-prompt-embeds.")  # fmt: skip
+            hidden = self.engine.model_config.hf_config.get_text_config().hidden_size
+            embeds = await asyncio.to_thread(decode_image_embeds, request.prompt_embeds, hidden,
+                                             self.engine.max_model_len - 1, "prompt_embeds")  # fmt: skip
+            return await self._generate(request, {"prompt_embeds": embeds}, "cmpl", chat=False)
         prompt = await self.completion_prompt(request.prompt)
         prompt = with_options(
             prompt, mm_processor_kwargs=request.mm_processor_kwargs, multi_modal_uuids=request.multi_modal_uuids
