@@ -36,7 +36,9 @@ def load_lora(model: nn.Module, request: LoRARequest) -> list[str]:
         raise InputError(f"LoRA adapter {request.lora_name!r}: {folder} needs adapter_config.json and "
                          "adapter_model.safetensors (PEFT's format).")  # fmt: skip
     config = json.loads(config_file.read_text())
-    for key, allowed in (("bias", (None, "none")), ("fan_in_fan_out", (None, False)), ("modules_to_save", (None, []))):
+    refused = (("bias", (None, "none")), ("fan_in_fan_out", (None, False)), ("modules_to_save", (None, [])),
+               ("use_dora", (None, False)))  # fmt: skip
+    for key, allowed in refused:
         if config.get(key) not in allowed:
             raise InputError(f"LoRA adapter {request.lora_name!r}: {key}={config.get(key)!r} is not supported.")
     rank = int(config["r"])
