@@ -15,7 +15,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import InputError
-from ..multimodal.embeds import ImageEmbedsRef, decode_image_embeds
+from ..multimodal.embeds import ImageEmbedsRef, decode_image_embeds_part
 from ..multimodal.inline_images import inline_images_to_prompt
 from ..sampling_params import SamplingParams
 from .chat_utils import (
@@ -106,9 +106,9 @@ class InputPreprocessor:
         return _embeds_apart(prompt)
 
     def decode_image_embeds(self, ref: ImageEmbedsRef) -> Any:
-        """An `image_embeds` part's tensor, checked against this model (multimodal/embeds.py)."""
+        """An `image_embeds` part's tensor (or dict with its grid), checked for this model (multimodal/embeds.py)."""
         hidden = self.model_config.hf_config.get_text_config().hidden_size
-        return decode_image_embeds(ref.data, hidden, self.limits.encoder_rows)
+        return decode_image_embeds_part(ref.data, hidden, self.limits.encoder_rows)
 
     def _embeds_or(self, load_image: ImageLoader) -> ImageLoader:
         """`load_image`, with `image_embeds` parts decoded (the offline API takes them; the server decodes them
@@ -172,7 +172,7 @@ def _embeds_apart(prompt: dict) -> dict:
     """A chat prompt whose images are all precomputed embeddings carries them as "image_embeds"; a mix of pictures
     and embeddings in one prompt is refused."""
     images = prompt.get("multi_modal_data", {}).get("image")
-    tensors = [isinstance(image, torch.Tensor) and image.dim() == 2 for image in images or []]
+    tensors = [isinstance(i, dict) or (isinstance(i, torch.Tensor) and i.dim() == 2) for i in images or []]
     if not any(tensors):
         return prompt
     if not all(tensors):

@@ -31,6 +31,7 @@ from tessera.models.qwen2_vl import (
     Qwen2VLForConditionalGeneration,
     Qwen2VLMultiModalProcessor,
     Qwen2VLProcessingInfo,
+    _stacked,
 )
 from tessera.models.registry import ModelRegistry
 from tessera.models.utils import module_dtype_device
@@ -331,10 +332,3 @@ class Qwen2_5OmniThinkerForConditionalGeneration(Qwen2VLForConditionalGeneration
                 items.append(OmniItem(position.offset, position.length, "video", grid, step))
         per_chunk = int(per_second * self.config.seconds_per_chunk)
         return omni_mrope_positions(len(input_tokens), items, self.spatial_merge_size, per_chunk)
-
-
-def _stacked(value: Any) -> Any:
-    """A batched field as one tensor (the engine may pass a list of per-item tensors)."""
-    if isinstance(value, (list, tuple)):
-        return torch.stack([torch.as_tensor(v) for v in value])
-    return value

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import BatchFeature, Qwen2VLConfig, Qwen2VLProcessor
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
+from tessera.errors import InputError
 from tessera.models.interfaces import MultiModalEmbeddings, SupportsMRoPE, SupportsMultiModal
 from tessera.models.mrope_positions import VisionGrid, mrope_input_positions
 from tessera.models.qwen2_vl_vision import Qwen2VisionTransformer
@@ -150,7 +151,16 @@ class Qwen2VLMultiModalProcessor(BaseMultiModalProcessor[Qwen2VLProcessingInfo])
     ) -> Mapping[str, MultiModalFieldConfig]:
         image_grid_thw = hf_inputs.get("image_grid_thw", torch.empty((0, 3)))
         video_grid_thw = hf_inputs.get("video_grid_thw", torch.empty((0, 3)))
+        fields = {}
+        if "image_embeds" in hf_inputs:  # precomputed, with each image's grid: its rows per image
+            merge = self.info.get_hf_config().vision_config.spatial_merge_size
+            rows = torch.as_tensor(image_grid_thw).reshape(-1, 3).prod(-1) // merge**2
+            if int(rows.sum()) != len(hf_inputs["image_embeds"]):
+                raise InputError(f"image_embeds have {len(hf_inputs['image_embeds'])} rows but their image_grid_thw "
+                                 f"give {rows.tolist()} (t * h * w / {merge}^2 each).")  # fmt: skip
+            fields["image_embeds"] = MultiModalFieldConfig.flat_from_sizes("image", rows)
         return dict(
+            **fields,
             pixel_values=MultiModalFieldConfig.flat_from_sizes("image", image_grid_thw.prod(-1)),
             image_grid_thw=MultiModalFieldConfig.batched("image"),
             pixel_values_videos=MultiModalFieldConfig.flat_from_sizes("video", video_grid_thw.prod(-1)),
@@ -230,6 +240,11 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
         """One [t * h * w / merge**2, hidden] tensor per image, then per video (the engine passes
         one modality per call, so the items come back in the order given)."""
         embeddings = []
+        if kwargs.get("image_embeds") is not None:  # precomputed: each image's rows, as its grid sizes them
+            grids = torch.as_tensor(_stacked(kwargs["image_grid_thw"])).reshape(-1, 3)
+            embeds = kwargs["image_embeds"]
+            embeds = torch.cat(list(embeds)) if isinstance(embeds, (list, tuple)) else embeds
+            return list(embeds.split((grids.prod(-1) // self.spatial_merge_size**2).tolist()))
         for pixels_key, grid_key in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
             if kwargs.get(pixels_key) is not None:
                 embeddings += self._embed_vision(kwargs[pixels_key], kwargs.get(grid_key), pixels_key, grid_key)
@@ -280,3 +295,10 @@ class Qwen2VLForConditionalGeneration(nn.Module, SupportsMultiModal, SupportsMRo
     ) -> torch.Tensor:
         """Hidden states [T, hidden]; positions [3, T] (M-RoPE)."""
         return self.language_model(input_ids, positions, inputs_embeds)
+
+
+def _stacked(value: Any) -> Any:
+    """A batched field as one tensor (the engine may pass a list of per-item tensors)."""
+    if isinstance(value, (list, tuple)):
+        return torch.stack([torch.as_tensor(v) for v in value])
+    return value

@@ -30,12 +30,7 @@ def decode_image_embeds(data: Any, hidden_size: int, max_rows: int, where: str =
     if not isinstance(data, str):
         raise InputError(f"{where} must be a base64 string of a tensor saved with torch.save, "
                          f"got {type(data).__name__}.")  # fmt: skip
-    try:
-        tensor = torch.load(io.BytesIO(base64.b64decode(data, validate=True)), map_location="cpu", weights_only=True)
-    except (binascii.Error, ValueError, RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
-        raise InputError(f"{where} is not a base64 tensor saved with torch.save ({type(e).__name__}).") from None
-    if not isinstance(tensor, torch.Tensor):
-        raise InputError(f"{where} holds a {type(tensor).__name__}, not a tensor.")
+    tensor = _load(data, where)
     if tensor.ndim == 3 and tensor.shape[0] == 1:
         tensor = tensor[0]
     if tensor.ndim != 2 or not tensor.is_floating_point():
@@ -47,6 +42,35 @@ def decode_image_embeds(data: Any, hidden_size: int, max_rows: int, where: str =
         raise InputError(f"{where} has {tensor.shape[0]} rows; it takes 1 to {max_rows} here.")
     if not torch.isfinite(tensor).all():
         raise InputError(f"{where} holds NaN or infinite values.")
+    return tensor
+
+
+def decode_image_embeds_part(data: Any, hidden_size: int, max_rows: int) -> Any:
+    """An `image_embeds` part's value: a base64 tensor, or (for models that need them, vLLM's shape) a dict of base64
+    tensors {"image_embeds": ..., "image_grid_thw": ...}: the checked embeddings, or a dict of them and the grid."""
+    if not isinstance(data, dict):
+        return decode_image_embeds(data, hidden_size, max_rows)
+    unknown = sorted(set(data) - {"image_embeds", "image_grid_thw"})
+    if unknown or "image_embeds" not in data:
+        raise InputError(f"An image_embeds dict holds 'image_embeds' (and 'image_grid_thw'); got {sorted(data)}.")
+    out = {"image_embeds": decode_image_embeds(data["image_embeds"], hidden_size, max_rows)}
+    if "image_grid_thw" in data:
+        grid = _load(data["image_grid_thw"], "image_embeds.image_grid_thw")
+        if grid.numel() != 3 or grid.is_floating_point() or bool((grid <= 0).any()) or int(grid.prod()) > 1 << 24:
+            raise InputError("image_embeds.image_grid_thw must be three positive integers (t, h, w).")
+        out["image_grid_thw"] = grid.reshape(3).long()
+    return out
+
+
+def _load(data: Any, where: str) -> torch.Tensor:
+    if not isinstance(data, str):
+        raise InputError(f"{where} must be a base64 string of a tensor saved with torch.save.")
+    try:
+        tensor = torch.load(io.BytesIO(base64.b64decode(data, validate=True)), map_location="cpu", weights_only=True)
+    except (binascii.Error, ValueError, RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+        raise InputError(f"{where} is not a base64 tensor saved with torch.save ({type(e).__name__}).") from None
+    if not isinstance(tensor, torch.Tensor):
+        raise InputError(f"{where} holds a {type(tensor).__name__}, not a tensor.")
     return tensor
 
 

@@ -83,13 +83,31 @@ class ProcessorBatchItems(ModalityDataItems[_T]):
 
 
 class EmbeddingItems(ModalityDataItems[torch.Tensor]):
-    """Precomputed embeddings, one (feature_size, hidden_size) tensor per item."""
+    """Precomputed embeddings, one (feature_size, hidden_size) tensor per item; `metadata`, per item, the tensors a
+    model needs beside them (Qwen-VL's `image_grid_thw`), given as vLLM takes them: {"image_embeds": ...,
+    "image_grid_thw": ...} per item."""
+
+    def __init__(self, data: Sequence[torch.Tensor], modality: str,
+                 metadata: Optional[Sequence[Mapping[str, torch.Tensor]]] = None) -> None:  # fmt: skip
+        super().__init__(data, modality)
+        self.metadata = list(metadata) if metadata else []
 
     def get_processor_data(self) -> Mapping[str, object]:
         return {}
 
     def get_passthrough_data(self) -> Mapping[str, object]:
-        return {f"{self.modality}_embeds": self.data}
+        """The embeddings per item; with metadata, concatenated (a flat field, as the HF processor's pixels) and
+        each metadata key stacked over the items."""
+        if not self.metadata:
+            return {f"{self.modality}_embeds": self.data}
+        keys = sorted(self.metadata[0])
+        stacked = {key: torch.stack([torch.as_tensor(m[key]).reshape(-1) for m in self.metadata]) for key in keys}
+        return {f"{self.modality}_embeds": torch.cat(list(self.data)), **stacked}
+
+    def get_hash_item(self, index: int) -> object:
+        if not self.metadata:
+            return super().get_hash_item(index)
+        return (self.get(index), *(self.metadata[index][key] for key in sorted(self.metadata[index])))
 
     def get_feature_size(self, item_index: int) -> int:
         return len(self.get(item_index))
@@ -114,8 +132,9 @@ class AudioProcessorItems(ProcessorBatchItems[np.ndarray]):
 
 
 class ImageEmbeddingItems(EmbeddingItems):
-    def __init__(self, data: Union[torch.Tensor, Sequence[torch.Tensor]]) -> None:
-        super().__init__(data, "image")
+    def __init__(self, data: Union[torch.Tensor, Sequence[torch.Tensor]],
+                 metadata: Optional[Sequence[Mapping[str, torch.Tensor]]] = None) -> None:  # fmt: skip
+        super().__init__(data, "image", metadata)
 
 
 class VideoProcessorItems(ProcessorBatchItems[np.ndarray]):
@@ -259,6 +278,18 @@ class MultiModalDataParser:
         return AudioProcessorItems([as_waveform(item, self.target_sr, i) for i, item in enumerate(items)])
 
     def _parse_embeddings(self, modality: str, data: Any) -> EmbeddingItems:
+        key = f"{modality}_embeds"
+        dicts = [data] if isinstance(data, Mapping) else data if isinstance(data, (list, tuple)) else None
+        if dicts and all(isinstance(d, Mapping) for d in dicts):  # with metadata: {key: .., "image_grid_thw": ..}
+            if not all(isinstance(d.get(key), torch.Tensor) and d[key].ndim == 2 for d in dicts):
+                raise ValueError(f"Each {modality}_embeds item must hold {key!r}: a (features, hidden) tensor.")
+            if len({tuple(sorted(d)) for d in dicts}) != 1:
+                raise ValueError(f"Every {modality}_embeds item must carry the same metadata keys.")
+            metadata = [{k: torch.as_tensor(v) for k, v in d.items() if k != key} for d in dicts]
+            tensors = [d[key] for d in dicts]
+            if modality == "image":
+                return ImageEmbeddingItems(tensors, metadata)
+            return EmbeddingItems(tensors, modality, metadata)
         tensors = list(data) if isinstance(data, (list, tuple)) else None
         if isinstance(data, torch.Tensor) and data.ndim == 3:
             tensors = list(data.unbind(0))

@@ -167,3 +167,66 @@ def test_prompt_embeds_need_the_flag(server, demo_engine):
     body = {"prompt_embeds": encode_image_embeds(token_embeddings(demo_engine, PROMPT))}
     response = completion(url, body, {"Authorization": f"Bearer {API_KEY}"})
     assert response.status_code == 400 and "--enable-prompt-embeds" in response.json()["error"]["message"]
+
+
+# ---- image_embeds with the metadata a model needs (Qwen2-VL's image_grid_thw) ---------------------------------------
+
+QWEN_PROMPT = (
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    """(offline LLM, server URL with --enable-mm-embeds, the tower's embeddings of picture() and their grid)."""
+    from tessera import LLM
+    from tessera.engine.async_engine import AsyncEngine
+    from tessera.engine.llm_engine import LLMEngine
+    from testkit.qwen_vl import build_tiny_qwen2_vl
+
+    folder = str(build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl")))
+    llm = LLM(folder, kv_cache_memory="8MiB")
+    kwargs = llm.engine.processor.apply(QWEN_PROMPT, {"image": [picture()]})["mm_kwargs"]
+    with torch.no_grad():
+        (embeds,) = llm.engine.core.model.get_multimodal_embeddings(**kwargs)
+    grid = kwargs.get_items("image")[0]["image_grid_thw"].data
+    engine = AsyncEngine(LLMEngine.from_options(folder, kv_cache_memory="8MiB"))
+    try:
+        with ServerThread(build_app(engine, model_name="qwen", enable_mm_embeds=True)) as url:
+            yield llm, url, embeds, grid
+    finally:
+        engine.shutdown()
+
+
+def test_grid_embeddings_answer_as_the_image_does_offline_and_served(qwen2_vl):
+    from tessera import SamplingParams
+
+    llm, url, embeds, grid = qwen2_vl
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    (by_image,) = llm.generate({"prompt": QWEN_PROMPT, "multi_modal_data": {"image": picture()}}, params)
+    data = {"image_embeds": {"image_embeds": embeds, "image_grid_thw": grid}}
+    (by_embeds,) = llm.generate({"prompt": QWEN_PROMPT, "multi_modal_data": data}, params)
+    assert by_embeds.outputs[0].token_ids == by_image.outputs[0].token_ids  # M-RoPE placed by the grid too
+    part = {"type": "image_embeds", "image_embeds": {"image_embeds": encode_image_embeds(embeds),
+                                                      "image_grid_thw": encode_image_embeds(grid)}}  # fmt: skip
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": QUESTION}]}]
+    url_part = {"type": "image_url", "image_url": {"url": image_data_url(picture())}}
+    image_messages = [{"role": "user", "content": [url_part, {"type": "text", "text": QUESTION}]}]
+    answers = [
+        httpx.post(url + "/v1/chat/completions", json={"messages": m, "max_tokens": 8, "temperature": 0}, timeout=60)
+        for m in (messages, image_messages)
+    ]
+    assert (
+        answers[0].json()["choices"][0]["message"]["content"] == answers[1].json()["choices"][0]["message"]["content"]
+    )
+
+
+def test_embeddings_that_their_grid_does_not_size_get_a_400(qwen2_vl):
+    _, url, embeds, grid = qwen2_vl
+    wrong = grid.clone()
+    wrong[1] *= 2
+    part = {"type": "image_embeds", "image_embeds": {"image_embeds": encode_image_embeds(embeds),
+                                                      "image_grid_thw": encode_image_embeds(wrong)}}  # fmt: skip
+    body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "image_grid_thw" in response.json()["error"]["message"]
