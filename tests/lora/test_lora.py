@@ -50,6 +50,17 @@ def write_adapter(folder, model, targets, rank, alpha, rslora, seed):
     return deltas
 
 
+def merged(model, deltas):
+    """A copy of the HF model with each adapter update added to its weight (what PEFT's merge computes)."""
+    copied = copy.deepcopy(model)
+    state = copied.state_dict()
+    with torch.no_grad():
+        for key, delta in deltas.items():
+            state[key] += delta
+    copied.load_state_dict(state)
+    return copied
+
+
 @pytest.fixture(scope="module")
 def adapted(tmp_path_factory):
     """(model folder, {adapter name: LoRARequest}, {adapter name or None: HF's greedy tokens per prompt})."""
@@ -63,13 +74,7 @@ def adapted(tmp_path_factory):
     requests = {}
     for i, (name, (targets, rank, alpha, rslora)) in enumerate(ADAPTERS.items()):
         deltas = write_adapter(root / name, base, targets, rank, alpha, rslora, seed=i)
-        merged = copy.deepcopy(base)
-        state = merged.state_dict()
-        with torch.no_grad():
-            for key, delta in deltas.items():
-                state[key] += delta
-        merged.load_state_dict(state)
-        expected[name] = hf_greedy_tokens(merged, tokenizer, PROMPTS, 8)
+        expected[name] = hf_greedy_tokens(merged(base, deltas), tokenizer, PROMPTS, 8)
         requests[name] = LoRARequest(name, i + 1, str(root / name))
     assert len({tuple(map(tuple, v)) for v in expected.values()}) == 3  # each adapter changes the answers
     return folder, requests, expected
@@ -170,13 +175,7 @@ def test_a_vision_tower_adapter_and_a_language_model_adapter_with_images(tiny_ll
     for i, (name, targets, rank, alpha) in enumerate(adapters):
         deltas = write_adapter(tmp_path / name, hf, targets, rank, alpha, False, seed=10 + i)
         assert name != "vision" or any("vision_tower" in key for key in deltas)
-        merged = copy.deepcopy(hf)
-        state = merged.state_dict()
-        with torch.no_grad():
-            for key, delta in deltas.items():
-                state[key] += delta
-        merged.load_state_dict(state)
-        expected.append(greedy(merged))
+        expected.append(greedy(merged(hf, deltas)))
         loras.append(LoRARequest(name, i + 1, str(tmp_path / name)))
     expected.append(greedy(hf))
     assert len({tuple(e) for e in expected}) == 3
