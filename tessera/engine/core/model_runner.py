@@ -110,7 +110,7 @@ class ModelRunner:
         positions: list[torch.Tensor] = []  # per request: [n] or, for M-RoPE, [3, n]
         is_multimodal, rows, sample_rows, sampling, pool_rows, pooling = [], [], [], [], [], []
         lora_ids: list[int] = []
-        embeds_mask, embeds_rows = [], []  # prompt_embeds: the rows that replace their placeholders' embeddings
+        embeds_at, embeds_rows = [], []  # prompt_embeds: (step row, count) and the rows replacing those embeddings
         for step in out.scheduled:
             request, start = step.request, step.request.num_computed_tokens
             end = start + step.num_new_tokens
@@ -123,12 +123,10 @@ class ModelRunner:
                 mask[lo : lo + len(item_mask)] = item_mask
                 rows.append(encoder_cache.get(item.hash)[item_rows])
             is_multimodal.append(mask)
-            given = torch.zeros(end - start, dtype=torch.bool)
             if request.prompt_embeds is not None and start < request.num_prompt_tokens:
                 stop = min(end, request.num_prompt_tokens)
-                given[: stop - start] = True
+                embeds_at.append((len(ids) - (end - start), stop - start))
                 embeds_rows.append(request.prompt_embeds[start:stop])
-            embeds_mask.append(given)
             lora = request.sampling_params.lora
             lora_ids += [lora.lora_int_id if lora is not None else 0] * (end - start)
             if request.sampling_params.pooling is not None:  # every row: the pooler picks (last, mean, ...)
@@ -148,7 +146,7 @@ class ModelRunner:
             sample_rows=sample_rows,
             pool_rows=pool_rows,
             lora_ids=lora_ids if any(lora_ids) else None,
-            embeds_mask=torch.cat(embeds_mask) if embeds_rows else None,
+            embeds_mask=_rows_mask(len(ids), embeds_at) if embeds_rows else None,
             embeds_rows=torch.cat(embeds_rows) if embeds_rows else None,
             is_multimodal=torch.cat(is_multimodal) if multimodal else None,
             mm_rows=rows if multimodal else None,
@@ -252,3 +250,11 @@ def _item_spans(request: Request, modalities: Optional[Sequence[str]] = None) ->
     picture in its begin/end tokens.)"""
     items = [item for item in request.mm_items if modalities is None or item.modality in modalities]
     return [span for item in items for span in item.embed_spans()]
+
+
+def _rows_mask(num_rows: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """[num_rows] bool, True on each (start, count) span."""
+    mask = torch.zeros(num_rows, dtype=torch.bool)
+    for start, count in spans:
+        mask[start : start + count] = True
+    return mask
