@@ -18,7 +18,8 @@ from typing import Union
 
 import torch
 
-_rows: Union[torch.Tensor, int, None] = None  # [T] adapter id per token row of the running step, or one for all
+# the running step's rows of each adapter ({id: row indices}, found once per step, not per layer), or one id for all
+_rows: Union[dict[int, torch.Tensor], int, None] = None
 
 
 @contextmanager
@@ -26,9 +27,10 @@ def lora_rows(ids: Union[torch.Tensor, int, None]) -> Iterator[None]:
     """Run a step whose token rows belong to these adapters ([T] ids, 0 for none; None: no adapter at all), or
     whose every row belongs to one adapter (an int: an encoder run for the items of one adapter's requests)."""
     global _rows
-    if isinstance(ids, torch.Tensor) and not bool(ids.any()):
-        ids = None
-    previous, _rows = _rows, (ids or None) if isinstance(ids, int) else ids
+    groups: Union[dict[int, torch.Tensor], int, None] = (ids or None) if isinstance(ids, int) else None
+    if isinstance(ids, torch.Tensor) and bool(ids.any()):
+        groups = {a: (ids == a).nonzero().squeeze(1) for a in torch.unique(ids).tolist() if a != 0}
+    previous, _rows = _rows, groups
     try:
         yield
     finally:
@@ -60,10 +62,9 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, parts: dict[int, list[LoRAPar
             delta = (flat_x @ part.a.T.to(flat_x.dtype)) @ part.b.T.to(flat_x.dtype)
             flat_out[:, part.rows] += (delta * part.scale).to(flat_out.dtype)
         return out
-    for adapter in torch.unique(_rows).tolist():
-        if adapter == 0 or adapter not in parts:
+    for adapter, rows in _rows.items():
+        if adapter not in parts:
             continue
-        rows = (_rows == adapter).nonzero().squeeze(1)
         xs = flat_x[rows]
         for part in parts[adapter]:
             delta = (xs @ part.a.T.to(xs.dtype)) @ part.b.T.to(xs.dtype)
