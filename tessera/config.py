@@ -11,7 +11,8 @@ from typing import Any, Optional
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from .gguf_file import find_gguf_file, gguf_quantization, load_gguf_config
+from .gguf_file import find_gguf_file, gguf_quantization, load_gguf_config, read_gguf_metadata
+from .gguf_vlm import load_gguf_vlm_config, processor_folder
 from .plugins import plugin_option_names, resolve_plugin_options
 from .pooling_params import PoolerConfig
 
@@ -119,6 +120,10 @@ class ModelConfig:
     tokenizer: Optional[str] = None
     """Folder of the tokenizer (or GGUF file), if not the model's."""
 
+    mmproj: Optional[str] = None
+    """With a GGUF `model`: llama.cpp's vision projector file for it (``mmproj-*.gguf``, as ``llama-server
+    --mmproj``), making the pair the vision model they were converted from (`tessera.gguf_vlm`)."""
+
     trust_remote_code: bool = False
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
 
@@ -171,6 +176,10 @@ class ModelConfig:
     gguf_file: Optional[str] = field(init=False, default=None)
     """The GGUF file the model is read from, when `model` names one; None for a Hugging Face folder."""
 
+    processor_folder: Optional[str] = field(init=False, default=None)
+    """Where the HF processor is read from: the model folder, or for a GGUF pair a folder holding the processor
+    configuration the pair implies (`gguf_vlm.processor_folder`)."""
+
     keep_gguf_blocks: bool = field(init=False, default=False)
     """quantization="auto" on a GGUF file: its quantized matrices keep their blocks' values where the native
     kernels run them (`layers.gguf_blocks`); the rest is quantized by `quantization`."""
@@ -185,7 +194,16 @@ class ModelConfig:
             )
         self.model = str(folder)
         self.tokenizer = self.tokenizer or self.model
-        if gguf_file is not None:
+        self.processor_folder = self.model
+        if self.mmproj is not None and gguf_file is None:
+            raise ValueError(f"mmproj is llama.cpp's vision projector for a GGUF model; {self.model} is not a GGUF file.")
+        if self.mmproj is not None:
+            self.mmproj = str(Path(self.mmproj))
+            self.gguf_file = str(gguf_file)
+            self.hf_config = load_gguf_vlm_config(gguf_file, self.mmproj)
+            template = read_gguf_metadata(gguf_file).chat_template
+            self.processor_folder = str(processor_folder(self.hf_config, gguf_file, self.mmproj, template))
+        elif gguf_file is not None:
             self.gguf_file = str(gguf_file)
             self.hf_config = load_gguf_config(gguf_file, trust_remote_code=self.trust_remote_code)
         else:

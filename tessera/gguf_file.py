@@ -46,8 +46,10 @@ the template's is dropped before tokenizing (`tessera.engine.chat_utils`, as lla
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -158,6 +160,60 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
     )
 
 
+def read_gguf_values(path: Union[str, Path]) -> dict[str, Any]:
+    """Every metadata value of a GGUF file but the vocabulary arrays (``tokenizer.ggml.*`` lists): strings,
+    numbers, booleans, and lists of them."""
+    values = {}
+    for name, field in _reader(str(path)).fields.items():
+        if name.startswith("GGUF.") or (name.startswith("tokenizer.ggml.") and len(field.data) > 1):
+            continue
+        value = field.contents()
+        values[name] = value.tolist() if hasattr(value, "tolist") else value
+    return values
+
+
+ARCHITECTURE_ALIASES = {"qwen2vl": "qwen2"}
+"""Language-model architectures of vision models that llama.cpp names apart but that are, as text models, one
+transformers converts: Qwen2-VL / Qwen2.5-VL's language model is Qwen2's (plus ``rope.dimension_sections``,
+M-RoPE's sections, which `tessera.gguf_vlm` reads)."""
+_alias_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def aliased_architectures():
+    """While open, transformers' GGUF conversion reads an aliased architecture (`ARCHITECTURE_ALIASES`) as the
+    one it stands for: its keys and its ``general.architecture`` renamed as it reads the file."""
+    import gguf
+    import numpy as np
+    from gguf import GGUFReader
+
+    class AliasingReader(GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            super().__init__(path, *args, **kwargs)
+            arch = self.fields.get("general.architecture")
+            alias = ARCHITECTURE_ALIASES.get(arch.contents()) if arch is not None else None
+            if alias is None:
+                return
+            original, fields = arch.contents(), {}
+            for name, field in self.fields.items():
+                if name == "general.architecture":
+                    text = np.frombuffer(alias.encode(), dtype=np.uint8)
+                    parts = [*field.parts[:-2], np.array([len(text)], dtype=np.uint64), text]
+                    field = field._replace(parts=parts)
+                elif name.startswith(original + "."):
+                    name = alias + name[len(original) :]
+                    field = field._replace(name=name)
+                fields[name] = field
+            self.fields = fields
+
+    with _alias_lock:  # load_gguf_checkpoint imports the reader from gguf when it runs
+        saved, gguf.GGUFReader = gguf.GGUFReader, AliasingReader
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = saved
+
+
 def _weight_types(reader: Any) -> dict[str, int]:
     types: dict[str, int] = {}
     for tensor in reader.tensors:
@@ -193,7 +249,7 @@ def _reader(path: str) -> Any:
     try:
         return GGUFReader(path)
     except Exception as e:  # not a GGUF file, or a truncated one
-        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}).") from e
+        raise ValueError(f"{path} is not a readable GGUF file: truncated or corrupt ({type(e).__name__}: {e}).") from e
 
 
 def unreadable_gguf(path: Union[str, Path], error: Exception) -> ValueError:
@@ -223,12 +279,43 @@ def load_gguf_config(path: Union[str, Path], *, trust_remote_code: bool = False)
     """transformers' config for a GGUF file, with its token ids and architecture fixed (`fix_gguf_config`)."""
     path = Path(path)
     try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code)
+        with aliased_architectures():
+            config = AutoConfig.from_pretrained(
+                str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
+            )
     except Exception as e:
         raise unreadable_gguf(path, e) from e
-    for change in fix_gguf_config(config, read_gguf_metadata(path)):
+    changes = fix_gguf_config(config, read_gguf_metadata(path)) + fix_architecture(config, read_gguf_values(path))
+    for change in changes:
         logger.info("GGUF %s: config %s (from the file's metadata)", path.name, change)
     return config
+
+
+def fix_architecture(config: PretrainedConfig, values: dict[str, Any]) -> list[str]:
+    """Set what transformers' conversion leaves at its config class's defaults where llama.cpp runs the file
+    otherwise. Gemma 3: llama.cpp scales queries by 1/sqrt(key_length) (by 1/sqrt(hidden / heads) for the 62-layer
+    27B), where transformers keeps query_pre_attn_scalar=256; and it takes the sliding-window layers from
+    ``attention.sliding_window_pattern`` (a flag per layer, or a period), else every 6th layer full, where
+    transformers ignores the key. Returns what was changed."""
+    wanted: dict[str, Any] = {}
+    if values.get("general.architecture") == "gemma3":
+        layers = int(values["gemma3.block_count"])
+        key_length = values.get("gemma3.attention.key_length")
+        if layers == 62:
+            wanted["query_pre_attn_scalar"] = config.hidden_size // config.num_attention_heads
+        elif key_length:
+            wanted["query_pre_attn_scalar"] = int(key_length)
+        pattern = values.get("gemma3.attention.sliding_window_pattern", 6)
+        sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(layers)]
+        if values.get("gemma3.attention.sliding_window"):
+            wanted["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    changes = []
+    for name, value in wanted.items():
+        current = getattr(config, name, None)
+        if current != value:
+            setattr(config, name, value)
+            changes.append(f"{name} {current!r} -> {value!r}")
+    return changes
 
 
 def fix_gguf_config(config: PretrainedConfig, metadata: GGUFMetadata) -> list[str]:
@@ -258,14 +345,16 @@ def fix_gguf_config(config: PretrainedConfig, metadata: GGUFMetadata) -> list[st
 # ---- tokenizer ------------------------------------------------------------------------------------
 
 
-def load_gguf_tokenizer(path: Union[str, Path], *, trust_remote_code: bool = False) -> Any:
+def load_gguf_tokenizer(path: Union[str, Path], *, trust_remote_code: bool = False, **named_tokens: str) -> Any:
     """transformers' tokenizer for a GGUF file, with the file's special tokens, BOS / EOS flags and
-    chat template enforced (`fix_gguf_tokenizer`)."""
+    chat template enforced (`fix_gguf_tokenizer`). `named_tokens` are model-specific tokens a processor reads
+    by name (``image_token="<image>"``: `tokenizer.image_token` and `tokenizer.image_token_id`)."""
     path = Path(path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
-        )
+        with aliased_architectures():
+            tokenizer = AutoTokenizer.from_pretrained(
+                str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code, **named_tokens
+            )
     except Exception as e:
         raise unreadable_gguf(path, e) from e
     for change in fix_gguf_tokenizer(tokenizer, read_gguf_metadata(path)):

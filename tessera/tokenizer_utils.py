@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from transformers import AutoTokenizer
 
 from .config import ModelConfig
 from .gguf_file import find_gguf_file, load_gguf_tokenizer
+from .gguf_vlm import named_tokens
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -22,7 +23,8 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
     mistral-common was installed: transformers would otherwise prefer tekken.json)."""
     gguf_file = find_gguf_file(model_config.tokenizer)
     if gguf_file is not None:
-        return load_gguf_tokenizer(gguf_file, trust_remote_code=model_config.trust_remote_code)
+        named = named_tokens(model_config.mmproj) if model_config.mmproj else {}  # what the pair's processor reads
+        return load_gguf_tokenizer(gguf_file, trust_remote_code=model_config.trust_remote_code, **named)
     folder = Path(model_config.tokenizer)
     options: dict[str, Any] = {}
     if folder.is_dir() and any((folder / name).is_file() for name in HF_TOKENIZER_FILES):
@@ -32,14 +34,14 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
     )
 
 
-_cache: dict[tuple[str, bool], Any] = {}
+_cache: dict[tuple[str, bool, Optional[str]], Any] = {}
 _cache_lock = threading.Lock()
 
 
 def cached_tokenizer(model_config: ModelConfig) -> Any:
     """`load_tokenizer`, once per tokenizer folder (for class methods that have only the config, as vLLM's
     `cached_tokenizer_from_config`)."""
-    key = (str(model_config.tokenizer), bool(model_config.trust_remote_code))
+    key = (str(model_config.tokenizer), bool(model_config.trust_remote_code), model_config.mmproj)
     with _cache_lock:
         if key not in _cache:
             _cache[key] = load_tokenizer(model_config)

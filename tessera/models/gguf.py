@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from ..gguf_file import read_gguf_metadata, unreadable_gguf
+from ..gguf_file import ARCHITECTURE_ALIASES, aliased_architectures, read_gguf_metadata, unreadable_gguf
 from ..layers.gguf_blocks import QuantizedBlocks, decode_blocks
 
 IGNORED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
@@ -54,7 +54,8 @@ def iter_gguf_checkpoint(
     with torch.device("meta"):  # only the parameter names matter
         shell = _NameShell(AutoModelForCausalLM.from_config(hf_config))
     metadata = read_gguf_metadata(path)
-    processor = TENSOR_PROCESSORS.get(metadata.architecture, TensorProcessor)(config=hf_config.to_dict())
+    architecture = ARCHITECTURE_ALIASES.get(metadata.architecture, metadata.architecture)
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
     placed = get_gguf_hf_weights_map(shell, processor)
     unplaced = [name for name in metadata.tensor_names if name not in placed and name not in IGNORED_GGUF_TENSORS]
     if unplaced:
@@ -63,7 +64,8 @@ def iter_gguf_checkpoint(
             f"Tensors of {path} that transformers' GGUF conversion gives no place in {shell.class_name}: {shown}."
         )
     try:
-        parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell, torch_dtype=dtype)
+        with aliased_architectures():
+            parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell, torch_dtype=dtype)
     except Exception as e:
         raise unreadable_gguf(path, e) from e
     if blocks is not None:

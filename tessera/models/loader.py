@@ -54,11 +54,15 @@ def load_model(model_config: ModelConfig) -> nn.Module:
     blocks: dict[str, QuantizedBlocks] = {}
     if model_config.gguf_file is not None:
         from .gguf import iter_gguf_checkpoint
+        from .gguf_mmproj import iter_gguf_pair
 
         keep = blocks if model_config.keep_gguf_blocks and get_tp_group().world_size == 1 else None
-        tensors = iter_gguf_checkpoint(model_config.gguf_file, model_config.hf_config, model_config.dtype, keep)
-        load_tensors(model, tensors, model_config.gguf_file, ignore_prefixes=ignore_prefixes,
-                     described_by="its metadata")  # fmt: skip
+        if model_config.mmproj is not None:
+            tensors = iter_gguf_pair(model_config.gguf_file, model_config.mmproj, model_config.dtype, keep)
+        else:
+            tensors = iter_gguf_checkpoint(model_config.gguf_file, model_config.hf_config, model_config.dtype, keep)
+        source = model_config.gguf_file + (f" + {model_config.mmproj}" if model_config.mmproj else "")
+        load_tensors(model, tensors, source, ignore_prefixes=ignore_prefixes, described_by="its metadata")
     else:
         load_weights(model, model_config.model, allow_pickle=model_config.allow_pickle, ignore_prefixes=ignore_prefixes)
     place_parts(model, model_config)

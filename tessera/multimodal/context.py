@@ -122,13 +122,13 @@ class InputProcessingContext:
     def _load_processor(self, kwargs: Mapping[str, object]) -> ProcessorMixin:
         if type(self.tokenizer).__name__ == "MistralCommonBackend":  # transformers refuses it as an argument
             processor = AutoProcessor.from_pretrained(
-                self.model_config.model, trust_remote_code=self.model_config.trust_remote_code, **kwargs
+                self.model_config.processor_folder, trust_remote_code=self.model_config.trust_remote_code, **kwargs
             )
             processor.tokenizer = self.tokenizer  # ours: one tokenizer for the processor and the engine
             return processor
         with _quiet_logger("transformers.models.auto.image_processing_auto"):  # "slow processor" notice
             return AutoProcessor.from_pretrained(
-                self.model_config.model,
+                self.model_config.processor_folder,
                 tokenizer=self.tokenizer,
                 trust_remote_code=self.model_config.trust_remote_code,
                 **kwargs,

@@ -1,0 +1,161 @@
+"""GGUF vision-model pairs (``model.gguf`` + ``mmproj.gguf``, as llama.cpp's converter writes them) against the HF
+folder they were made from: the same prompt ids and greedy tokens, F16 and F32 exactly (the folders' weights are
+float16 values), Q8_0 within a stated logit bound; and the pairs that are wrong, each a clear error at load."""
+
+from __future__ import annotations
+
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tessera import LLM, SamplingParams
+from testkit.checkpoints import build_tiny_llava
+from testkit.gemma3 import build_tiny_gemma3
+from testkit.generation import greedy_logprobs
+from testkit.gguf_vlm import convert_pairs, prepare_for_conversion
+from testkit.idefics3 import build_tiny_idefics3, build_tiny_smolvlm
+from testkit.llava_next import build_tiny_llava_next
+from testkit.qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
+
+BUILDERS = {
+    "qwen2_vl": build_tiny_qwen2_vl,
+    "qwen2_5_vl": build_tiny_qwen2_5_vl,
+    "gemma3": build_tiny_gemma3,
+    "idefics3": build_tiny_idefics3,
+    "smolvlm": build_tiny_smolvlm,
+    "llava": build_tiny_llava,
+    "llava_next": build_tiny_llava_next,
+}
+OUTTYPES = {"qwen2_vl": ("f16", "f32", "q8_0")}
+"""Every family as F16; one also as F32 and Q8_0 (the reading of each type is shared by all)."""
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """kind -> (HF folder, folder of lm-<type>.gguf and mmproj-<type>.gguf)."""
+    root = tmp_path_factory.mktemp("gguf_vlm")
+    jobs = []
+    for kind, build in BUILDERS.items():
+        folder = prepare_for_conversion(build(root / f"{kind.replace('_', '-')}-hf"), kind)
+        jobs.append((folder, kind, root / kind, OUTTYPES.get(kind, ("f16",))))
+    convert_pairs(jobs)
+    return {kind: (folder, out) for folder, kind, out, _ in jobs}
+
+
+def image(width: int = 64, height: int = 48, seed: int = 0) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def chat(text: str = "What is in the picture?", seed: int = 0) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_pil", "image_pil": image(seed=seed)},
+                                         {"type": "text", "text": text}]}]  # fmt: skip
+
+
+PROCESSOR_OPTIONS = {"qwen2_vl": {"size": {"shortest_edge": 256, "longest_edge": 3072}},
+                     "qwen2_5_vl": {"size": {"shortest_edge": 256, "longest_edge": 3072}}}  # fmt: skip
+"""What the HF folders' processors set that the GGUF files do not carry (the tiny Qwen folders' pixel range):
+passed to the pair as a user would, as processor options."""
+
+
+def answers(llm: LLM, chats: list[list[dict]]) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = [llm.render_chat(c) for c in chats]
+    ids = [llm.engine.input_preprocessor.process(p, GREEDY).token_ids for p in prompts]
+    return ids, [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def pair_llm(pairs, kind: str, outtype: str = "f16", **options) -> LLM:
+    _, out = pairs[kind]
+    return LLM(str(out / f"lm-{outtype}.gguf"), mmproj=str(out / f"mmproj-{outtype}.gguf"), device="cpu",
+               kv_cache_memory="8MiB", mm_processor_kwargs=PROCESSOR_OPTIONS.get(kind), **options)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_the_f16_pair_answers_as_the_hf_folder(pairs, kind):
+    """Each mapped family: the pair's config, processor and weights give the folder's prompt ids (image tokens
+    and all) and greedy tokens, for two images batched."""
+    folder, _ = pairs[kind]
+    chats = [chat(), chat("Describe it.", seed=1)]
+    expected = answers(LLM(str(folder), device="cpu", kv_cache_memory="8MiB"), chats)
+    llm = pair_llm(pairs, kind)
+    assert llm.engine.model_config.architectures == LLM_ARCHITECTURE(folder)
+    assert answers(llm, chats) == expected
+
+
+def LLM_ARCHITECTURE(folder):  # noqa: N802
+    import json
+
+    return json.loads((folder / "config.json").read_text())["architectures"]
+
+
+def first_logprobs(llm: LLM, vocab: int) -> torch.Tensor:
+    ((_, logprobs),) = greedy_logprobs(llm, [llm.render_chat(chat())], 1, vocab)
+    return logprobs[0]
+
+
+def test_f32_and_f16_are_the_folder_and_q8_0_is_within_its_bound(pairs):
+    """F32 and F16 (of float16-valued weights) hold the checkpoint exactly: the first step's log-probabilities
+    equal the folder's up to float32 rounding. Q8_0 (8-bit blocks of 32 weights, one scale each) stays within
+    0.25 of them, de-quantized or run as int8 blocks by the native kernels (quantization="auto"), with the same
+    greedy tokens."""
+    folder, _ = pairs["qwen2_vl"]
+    reference = LLM(str(folder), device="cpu", kv_cache_memory="8MiB")
+    vocab = reference.engine.model_config.hf_config.text_config.vocab_size
+    expected = first_logprobs(reference, vocab)
+    for outtype in ("f32", "f16"):
+        torch.testing.assert_close(first_logprobs(pair_llm(pairs, "qwen2_vl", outtype), vocab), expected,
+                                   atol=1e-5, rtol=0)  # fmt: skip
+    for quantization in (None, "auto"):
+        llm = pair_llm(pairs, "qwen2_vl", "q8_0", quantization=quantization)
+        assert llm.engine.model_config.quantization == ("int8" if quantization else None)
+        error = (first_logprobs(llm, vocab) - expected).abs().max().item()
+        assert 0 < error < 0.25, error  # measured 0.12 on this checkpoint (widened N(0, 0.2) weights)
+        assert answers(llm, [chat()]) == answers(reference, [chat()])
+
+
+def write_mmproj(path, projector_type: str, vision: bool = True, **tensors: tuple[int, ...]) -> str:
+    """A small mmproj-shaped file: the clip architecture, a projector type, a tower tensor and `tensors` (shapes)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_string("clip.projector_type", projector_type)
+    writer.add_bool("clip.has_vision_encoder", vision)
+    writer.add_tensor("v.patch_embd.weight", np.zeros((4, 3, 2, 2), dtype=np.float32))
+    for name, shape in tensors.items():
+        writer.add_tensor(name.replace("_", "."), np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_wrong_pairs_and_files_are_clear_errors_at_load(pairs, tmp_path):
+    """Each names the file and what is wrong: an mmproj of another model (another architecture, or another
+    width), a truncated mmproj, an unknown projector type, an audio-only projector, the two files swapped, an
+    mmproj without a GGUF model."""
+    _, qwen = pairs["qwen2_vl"]
+    _, gemma = pairs["gemma3"]
+    _, llava = pairs["llava"]
+    lm, mmproj = qwen / "lm-f16.gguf", qwen / "mmproj-f16.gguf"
+    truncated = tmp_path / "mmproj-truncated.gguf"
+    truncated.write_bytes(mmproj.read_bytes()[: mmproj.stat().st_size // 2])
+    cases = [
+        (lm, gemma / "mmproj-f16.gguf", "goes with a gemma3 language model"),
+        (llava / "lm-f16.gguf", write_mmproj(tmp_path / "wide.gguf", "mlp", mm_2_weight=(48, 64)), "does not belong to"),
+        (lm, truncated, "truncated"),
+        (lm, write_mmproj(tmp_path / "resampler.gguf", "resampler"), "projector type 'resampler'"),
+        (lm, write_mmproj(tmp_path / "audio.gguf", "qwen2vl_merger", vision=False), "no vision encoder"),
+        (lm, lm, "is not an mmproj file"),
+        (mmproj, mmproj, "is an mmproj file"),
+        (pairs["qwen2_vl"][0], mmproj, "is not a GGUF file"),
+    ]
+    for model, projector, message in cases:
+        with pytest.raises(ValueError, match=message) as error:
+            LLM(str(model), mmproj=str(projector), device="cpu", kv_cache_memory="4MiB")
+        assert Path(projector).name in str(error.value) or Path(model).name in str(error.value)
