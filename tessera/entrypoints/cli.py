@@ -6,6 +6,7 @@ tessera generate "What is said?" --audio note.mp3 --model path/to/audio-model
 tessera transcribe note.mp3 --model path/to/audio-model
 tessera chat --model path/to/model  (then /image, /video or /audio PATH attaches media to the next message)
 tessera chat path/to/model.gguf
+tessera serve model.gguf --mmproj mmproj-model.gguf  (llama.cpp's vision pair, as llama-server takes it)
 tessera bench serve --base-url http://127.0.0.1:8000 --dataset random-mm --num-prompts 100 --max-concurrency 8
 """
 
@@ -183,12 +184,15 @@ def _mm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "mm_processor_kwargs": args.mm_processor_kwargs, "hf_overrides": args.hf_overrides,
         "device": args.device, "dtype": args.dtype,
         "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
-        "distributed_executor_backend": args.distributed_executor_backend,
+        "distributed_executor_backend": args.distributed_executor_backend, "mmproj": getattr(args, "mmproj", None),
     }  # fmt: skip
     return {key: value for key, value in options.items() if value is not None}
 
 
 def _device_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mmproj", default=None, metavar="FILE",
+                        help="with a .gguf model: its vision projector file (mmproj-*.gguf), as llama-server "
+                        "--mmproj takes it; the pair runs as the vision model it was converted from")  # fmt: skip
     parser.add_argument("--device", default=None, metavar="DEVICE",
                         help="auto (default: cuda if available, else cpu), cpu, cuda, cuda:1")  # fmt: skip
     parser.add_argument("--dtype", default=None, metavar="DTYPE",

@@ -13,6 +13,11 @@ import torch
 from PIL import Image
 
 from tessera import LLM, SamplingParams
+from tessera.config import ModelConfig
+from tessera.layers import native_kernels as nk
+from tessera.layers.cpu_kernels import NATIVE
+from tessera.layers.quantization import dequantized_weight
+from tessera.models.loader import load_model
 from testkit.checkpoints import build_tiny_llava
 from testkit.gemma3 import build_tiny_gemma3
 from testkit.generation import greedy_logprobs
@@ -116,6 +121,16 @@ def test_f32_and_f16_are_the_folder_and_q8_0_is_within_its_bound(pairs):
         error = (first_logprobs(llm, vocab) - expected).abs().max().item()
         assert 0 < error < 0.25, error  # measured 0.12 on this checkpoint (widened N(0, 0.2) weights)
         assert answers(llm, [chat()]) == answers(reference, [chat()])
+    _, out = pairs["qwen2_vl"]
+    kept = load_model(ModelConfig(str(out / "lm-q8_0.gguf"), mmproj=str(out / "mmproj-q8_0.gguf"), device="cpu",
+                                  quantization="auto"))  # fmt: skip
+    dense = load_model(ModelConfig(str(out / "lm-q8_0.gguf"), mmproj=str(out / "mmproj-q8_0.gguf"), device="cpu"))
+    layers = {n: m for n, m in kept.named_modules() if getattr(m, "quantization", None) is not None}
+    assert len(layers) == 2 * 4 + 1 and all(n.startswith("language_model.") for n in layers)  # the tower stays float
+    if nk.available():  # the file's blocks, each weight exactly the de-quantized file's, run by the int8 kernels
+        for name, layer in layers.items():
+            assert (layer.quantization, layer.quant_kernel) == ("int8", NATIVE), name
+            assert torch.equal(dequantized_weight(layer), dense.get_submodule(name).weight.double()), name
 
 
 def write_mmproj(path, projector_type: str, vision: bool = True, **tensors: tuple[int, ...]) -> str:
@@ -159,3 +174,76 @@ def test_wrong_pairs_and_files_are_clear_errors_at_load(pairs, tmp_path):
         with pytest.raises(ValueError, match=message) as error:
             LLM(str(model), mmproj=str(projector), device="cpu", kv_cache_memory="4MiB")
         assert Path(projector).name in str(error.value) or Path(model).name in str(error.value)
+
+
+def test_tessera_serve_takes_the_pair_and_answers_an_image_chat_through_openai(pairs):
+    """`tessera serve model.gguf --mmproj mmproj.gguf`, as llama-server takes the pair: an image chat through the
+    openai client gets the offline API's answer."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import openai
+
+    from testkit.inputs import image_data_url
+
+    _, out = pairs["gemma3"]
+    lm, mmproj = out / "lm-f16.gguf", out / "mmproj-f16.gguf"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "tessera.entrypoints.cli", "serve", str(lm), "--mmproj", str(mmproj),
+               "--port", str(port), "--kv-cache-memory", "8MiB", "--device", "cpu"]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        offline = LLM(str(lm), mmproj=str(mmproj), device="cpu", kv_cache_memory="8MiB")
+        (expected,) = offline.chat(chat(), GREEDY, use_tqdm=False)
+        content = [{"type": "image_url", "image_url": {"url": image_data_url(image())}},
+                   {"type": "text", "text": "What is in the picture?"}]  # fmt: skip
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                reply = client.chat.completions.create(model=lm.name, max_tokens=8, temperature=0.0,
+                                                       messages=[{"role": "user", "content": content}])  # fmt: skip
+                break
+            except openai.APIConnectionError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
+                time.sleep(0.3)
+        assert reply.choices[0].message.content == expected.outputs[0].text
+        assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+LLAMA_CPP_OPTIONS = {"qwen2_vl": {"size": {"shortest_edge": 2048, "longest_edge": 32768}},
+                     "qwen2_5_vl": {"size": {"shortest_edge": 2048, "longest_edge": 32768}}}  # fmt: skip
+"""A pixel range inside llama.cpp's (8 to 4096 tokens) that the tiny models' 1024-token context holds."""
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "gemma3"])
+def test_the_pair_answers_as_llama_cpp(pairs, kind):
+    """Where llama-cpp-python's multimodal API runs the pair (the `bench` extra; llama.cpp refuses the tiny SmolVLM
+    pair's image slices and has no LLaVA converter left): the same greedy answer, for an image neither resizes.
+    Text is compared without U+FFFD: a byte token that ends mid-character is shown as one by the HF detokenizer
+    and dropped by llama-cpp-python."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python (the bench extra) is not installed")
+    from llama_cpp.llama_chat_format import MTMDChatHandler
+
+    from testkit.inputs import image_data_url
+
+    _, out = pairs[kind]
+    lm, mmproj = str(out / "lm-f16.gguf"), str(out / "mmproj-f16.gguf")
+    side = 32 if kind == "gemma3" else 64  # Gemma 3's tower size; a 64-pixel square is 16 Qwen tokens
+    content = [{"type": "image_url", "image_url": {"url": image_data_url(image(side, side))}},
+               {"type": "text", "text": "What is in the picture?"}]  # fmt: skip
+    messages = [{"role": "user", "content": content}]
+    handler = MTMDChatHandler(clip_model_path=mmproj, verbose=False, use_gpu=False)
+    reference = llama_cpp.Llama(model_path=lm, chat_handler=handler, n_ctx=1024, n_threads=2, verbose=False, seed=0)
+    expected = reference.create_chat_completion(messages=messages, max_tokens=8, temperature=0.0)
+    llm = LLM(lm, mmproj=mmproj, device="cpu", kv_cache_memory="8MiB", mm_processor_kwargs=LLAMA_CPP_OPTIONS.get(kind))
+    (answer,) = llm.chat(messages, GREEDY, use_tqdm=False)
+    text = expected["choices"][0]["message"]["content"]
+    assert answer.outputs[0].text.replace("\ufffd", "") == text.replace("\ufffd", "") and text.strip()
