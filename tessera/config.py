@@ -196,7 +196,9 @@ class ModelConfig:
         self.tokenizer = self.tokenizer or self.model
         self.processor_folder = self.model
         if self.mmproj is not None and gguf_file is None:
-            raise ValueError(f"mmproj is llama.cpp's vision projector for a GGUF model; {self.model} is not a GGUF file.")
+            raise ValueError(
+                f"mmproj is llama.cpp's vision projector for a GGUF model; {self.model} is not a GGUF file."
+            )
         if self.mmproj is not None:
             self.mmproj = str(Path(self.mmproj))
             self.gguf_file = str(gguf_file)

@@ -40,8 +40,9 @@ def prepare_for_conversion(folder: Path, kind: str) -> Path:
     path = folder / "model.safetensors"
     tensors = {name: tensor.to(torch.float16).to(tensor.dtype) for name, tensor in load_file(path).items()}
     if kind == "gemma3":
-        tensors = {("vision_tower.vision_model." + n[len("vision_tower.") :] if n.startswith("vision_tower.")
-                    and not n.startswith("vision_tower.vision_model.") else n): t for n, t in tensors.items()}  # fmt: skip
+        hub, saved = "vision_tower.vision_model.", "vision_tower."
+        tensors = {(hub + n[len(saved) :] if n.startswith(saved) and not n.startswith(hub) else n): t
+                   for n, t in tensors.items()}  # fmt: skip
     save_file(tensors, path, metadata={"format": "pt"})
     if kind in ("smolvlm", "idefics3"):
         _edit_config(folder, lambda c: c["text_config"].update(architectures=["LlamaForCausalLM"]))
@@ -82,7 +83,8 @@ def write_legacy_llava_mmproj(folder: Path, out: Path, *, outtype: str = "f16") 
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.get("layer_norm_eps", 1e-5))
     writer.add_uint32("clip.vision.block_count", blocks)
     if "image_grid_pinpoints" in config:
-        writer.add_array("clip.vision.image_grid_pinpoints", [n for pair in config["image_grid_pinpoints"] for n in pair])
+        flat = [n for pair in config["image_grid_pinpoints"] for n in pair]
+        writer.add_array("clip.vision.image_grid_pinpoints", flat)
         writer.add_string("clip.vision.mm_patch_merge_type", "spatial_unpad")
     writer.add_array("clip.vision.feature_layer", feature_layers)
     processor = json.loads((folder / "processor_config.json").read_text())["image_processor"]

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Union
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-CACHE = Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera")) / "llama.cpp-converter-0.3.36"
+CACHE = Path(os.environ.get("TESSERA_CACHE_DIR") or Path.home() / ".cache" / "tessera") / "llama.cpp-converter-0.3.36"
 VENDORED = "vendor/llama.cpp/"
 _lock = threading.Lock()
 

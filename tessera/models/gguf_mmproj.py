@@ -158,24 +158,23 @@ def iter_mmproj_tensors(
         yield "model.vision_tower.vision_model.post_layernorm.bias", torch.zeros(width, dtype=dtype)
 
 
-_JOINS = {  # HF name pattern -> (the parts it is made of, how)
-    re.compile(r"(.*\.attn\.qkv)\.(q|k|v)\.(weight|bias)$"): (("q", "k", "v"), lambda parts: torch.cat(parts, 0)),
-    re.compile(r"(.*patch_embed\.proj)\.weight(\.1)?$"): (("", ".1"), lambda parts: torch.stack(parts, 2)),
-}
+_JOINS = [  # (HF name pattern: the joined tensor's name is head + tail, part names the piece; pieces in order; join)
+    (re.compile(r"(?P<head>.*\.attn\.qkv)\.(?P<part>q|k|v)(?P<tail>\.weight|\.bias)$"), ("q", "k", "v"),
+     lambda parts: torch.cat(parts, 0)),  # Qwen's fused q | k | v rows
+    (re.compile(r"(?P<head>.*patch_embed\.proj\.weight)(?P<part>\.1)?(?P<tail>)$"), ("", ".1"),
+     lambda parts: torch.stack(parts, 2)),  # the Conv3d kernel's two frames, on its time axis
+]  # fmt: skip
 
 
 def _join(name: str, value: torch.Tensor, pending: dict[str, dict[str, torch.Tensor]]):
     """(name, tensor) as it is, or None while the parts of a joined HF tensor are gathered, then the joined one."""
-    for pattern, (parts, join) in _JOINS.items():
+    for pattern, parts, join in _JOINS:
         match = pattern.match(name)
         if match is None:
             continue
-        if pattern.groups == 3:
-            target, part = f"{match[1]}.{match[3]}", match[2]
-        else:
-            target, part = f"{match[1]}.weight", match[2] or ""
+        target = match["head"] + match["tail"]
         gathered = pending.setdefault(target, {})
-        gathered[part] = value
+        gathered[match["part"] or ""] = value
         if len(gathered) < len(parts):
             return None
         del pending[target]

@@ -4,7 +4,6 @@ float16 values), Q8_0 within a stated logit bound; and the pairs that are wrong,
 
 from __future__ import annotations
 
-
 from pathlib import Path
 
 import numpy as np
@@ -162,7 +161,7 @@ def test_wrong_pairs_and_files_are_clear_errors_at_load(pairs, tmp_path):
     truncated.write_bytes(mmproj.read_bytes()[: mmproj.stat().st_size // 2])
     cases = [
         (lm, gemma / "mmproj-f16.gguf", "goes with a gemma3 language model"),
-        (llava / "lm-f16.gguf", write_mmproj(tmp_path / "wide.gguf", "mlp", mm_2_weight=(48, 64)), "does not belong to"),
+        (llava / "lm-f16.gguf", write_mmproj(tmp_path / "wide.gguf", "mlp", mm_2_weight=(48, 64)), "not belong to"),
         (lm, truncated, "truncated"),
         (lm, write_mmproj(tmp_path / "resampler.gguf", "resampler"), "projector type 'resampler'"),
         (lm, write_mmproj(tmp_path / "audio.gguf", "qwen2vl_merger", vision=False), "no vision encoder"),
