@@ -50,6 +50,7 @@ import contextlib
 import functools
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -103,6 +104,10 @@ class GGUFMetadata:
     tensor_names: tuple[str, ...]
     weight_types: dict[str, int]
     """Weight elements of the file's matrices (2-D tensors) by GGML type name ("Q4_K", "F16", ...)."""
+    values: dict[str, Any]
+    """Every metadata value but the vocabulary arrays: strings, numbers, booleans, and lists of them."""
+    tokens: tuple[str, ...]
+    """The vocabulary (``tokenizer.ggml.tokens``), by id."""
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -120,7 +125,7 @@ def read_gguf_metadata(path: Union[str, Path]) -> GGUFMetadata:
 
 @functools.lru_cache(maxsize=8)
 def _read_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
-    reader = _reader(path)
+    reader = gguf_reader(path)
     fields = reader.fields
 
     def scalar(key: str) -> Any:
@@ -142,6 +147,13 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
         return None if value is None else bool(value)
 
     tokens = fields.get("tokenizer.ggml.tokens")
+    values = {}
+    for name, field in fields.items():
+        if name.startswith("GGUF.") or (name.startswith("tokenizer.ggml.") and len(field.data) > 1):
+            continue
+        value = field.contents()
+        values[name] = value.tolist() if hasattr(value, "tolist") else value
+    vocabulary = tuple(bytes(tokens.parts[i]).decode("utf-8", "replace") for i in tokens.data) if tokens else ()
     return GGUFMetadata(
         architecture=scalar("general.architecture") or "",
         tokenizer_model=scalar("tokenizer.ggml.model"),
@@ -157,61 +169,99 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
         chat_template=scalar("tokenizer.chat_template"),
         tensor_names=tuple(tensor.name for tensor in reader.tensors),
         weight_types=_weight_types(reader),
+        values=values,
+        tokens=vocabulary,
     )
 
 
 def read_gguf_values(path: Union[str, Path]) -> dict[str, Any]:
-    """Every metadata value of a GGUF file but the vocabulary arrays (``tokenizer.ggml.*`` lists): strings,
-    numbers, booleans, and lists of them."""
-    values = {}
-    for name, field in _reader(str(path)).fields.items():
-        if name.startswith("GGUF.") or (name.startswith("tokenizer.ggml.") and len(field.data) > 1):
-            continue
-        value = field.contents()
-        values[name] = value.tolist() if hasattr(value, "tolist") else value
-    return values
+    """Every metadata value of a GGUF file but the vocabulary arrays (read once per file version, with
+    `read_gguf_metadata`)."""
+    return read_gguf_metadata(path).values
 
 
 ARCHITECTURE_ALIASES = {"qwen2vl": "qwen2"}
 """Language-model architectures of vision models that llama.cpp names apart but that are, as text models, one
 transformers converts: Qwen2-VL / Qwen2.5-VL's language model is Qwen2's (plus ``rope.dimension_sections``,
 M-RoPE's sections, which `tessera.gguf_vlm` reads)."""
-_alias_lock = threading.RLock()
+_readers_lock = threading.RLock()
 
 
 @contextlib.contextmanager
-def aliased_architectures():
-    """While open, transformers' GGUF conversion reads an aliased architecture (`ARCHITECTURE_ALIASES`) as the
-    one it stands for: its keys and its ``general.architecture`` renamed as it reads the file."""
+def transformers_reading():
+    """While open, transformers' GGUF conversion (config, tokenizer, weights: each parses the file anew, seconds
+    for a large vocabulary) gets the file's parse that Tessera keeps (`gguf_reader`), and reads an aliased
+    architecture (`ARCHITECTURE_ALIASES`) as the one it stands for: its keys and ``general.architecture``
+    renamed."""
     import gguf
-    import numpy as np
-    from gguf import GGUFReader
 
-    class AliasingReader(GGUFReader):
-        def __init__(self, path, *args, **kwargs):
-            super().__init__(path, *args, **kwargs)
-            arch = self.fields.get("general.architecture")
-            alias = ARCHITECTURE_ALIASES.get(arch.contents()) if arch is not None else None
-            if alias is None:
-                return
-            original, fields = arch.contents(), {}
-            for name, field in self.fields.items():
-                if name == "general.architecture":
-                    text = np.frombuffer(alias.encode(), dtype=np.uint8)
-                    parts = [*field.parts[:-2], np.array([len(text)], dtype=np.uint64), text]
-                    field = field._replace(parts=parts)
-                elif name.startswith(original + "."):
-                    name = alias + name[len(original) :]
-                    field = field._replace(name=name)
-                fields[name] = field
-            self.fields = fields
+    def reader(path, *args, **kwargs):
+        return _aliased(gguf_reader(str(path)))
 
-    with _alias_lock:  # load_gguf_checkpoint imports the reader from gguf when it runs
-        saved, gguf.GGUFReader = gguf.GGUFReader, AliasingReader
+    with _readers_lock:  # load_gguf_checkpoint imports the reader from gguf when it runs
+        saved, gguf.GGUFReader = gguf.GGUFReader, reader
         try:
             yield
         finally:
             gguf.GGUFReader = saved
+
+
+def _aliased(reader: Any) -> Any:
+    """`reader`, or for an aliased architecture a shallow copy whose fields say the architecture it stands for."""
+    import copy
+
+    import numpy as np
+
+    arch = reader.fields.get("general.architecture")
+    original = arch.contents() if arch is not None else None
+    alias = ARCHITECTURE_ALIASES.get(original)
+    if alias is None:
+        return reader
+    fields = {}
+    for name, field in reader.fields.items():
+        if name == "general.architecture":
+            text = np.frombuffer(alias.encode(), dtype=np.uint8)
+            field = field._replace(parts=[*field.parts[:-2], np.array([len(text)], dtype=np.uint64), text])
+        elif name.startswith(original + "."):
+            name = alias + name[len(original) :]
+            field = field._replace(name=name)
+        fields[name] = field
+    aliased = copy.copy(reader)
+    aliased.fields = fields
+    return aliased
+
+
+_parsed: "OrderedDict[tuple[str, int, int], Any]" = OrderedDict()
+KEPT_PARSES = 2
+"""The files whose parse is kept: a language model and its mmproj."""
+
+
+def gguf_reader(path: Union[str, Path]) -> Any:
+    """gguf's `GGUFReader` of the file at `path`, parsed once while a model loads: the last files parsed are kept
+    (by path, size and modification time) until `release_gguf_readers`, so a model's config, tokenizer and
+    weights take one parse (a 150k-token vocabulary takes seconds) instead of one each. Errors name the file."""
+    resolved = Path(path).resolve()
+    try:
+        stat = resolved.stat()
+    except OSError as e:
+        raise ValueError(f"The GGUF file {path} cannot be read ({e}).") from e
+    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
+    with _readers_lock:
+        if key in _parsed:
+            _parsed.move_to_end(key)
+            return _parsed[key]
+    reader = _reader(str(path))
+    with _readers_lock:
+        _parsed[key] = reader
+        while len(_parsed) > KEPT_PARSES:
+            _parsed.popitem(last=False)
+    return reader
+
+
+def release_gguf_readers() -> None:
+    """Drop the kept parse (`gguf_reader`): called once a model's weights are loaded."""
+    with _readers_lock:
+        _parsed.clear()
 
 
 def _weight_types(reader: Any) -> dict[str, int]:
@@ -241,7 +291,7 @@ def gguf_quantization(path: Union[str, Path]) -> Optional[str]:
 
 def _reader(path: str) -> Any:
     try:
-        from gguf import GGUFReader
+        from gguf.gguf_reader import GGUFReader  # the class itself, not `transformers_reading`'s stand-in
     except ImportError as e:
         raise ImportError(
             f"Reading the GGUF file {path} needs the gguf package: pip install 'gguf>=0.10' (or tessera[gguf])."
@@ -279,7 +329,7 @@ def load_gguf_config(path: Union[str, Path], *, trust_remote_code: bool = False)
     """transformers' config for a GGUF file, with its token ids and architecture fixed (`fix_gguf_config`)."""
     path = Path(path)
     try:
-        with aliased_architectures():
+        with transformers_reading():
             config = AutoConfig.from_pretrained(
                 str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code
             )
@@ -351,7 +401,7 @@ def load_gguf_tokenizer(path: Union[str, Path], *, trust_remote_code: bool = Fal
     by name (``image_token="<image>"``: `tokenizer.image_token` and `tokenizer.image_token_id`)."""
     path = Path(path)
     try:
-        with aliased_architectures():
+        with transformers_reading():
             tokenizer = AutoTokenizer.from_pretrained(
                 str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code, **named_tokens
             )

@@ -19,11 +19,12 @@ What such a file holds (llama.cpp's `tools/mtmd/clip-impl.h` and gguf-py's `cons
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from .gguf_file import _reader
+from .gguf_file import gguf_reader
 
 LEGACY_LLAVA_PROJECTOR = "mlp"
 """The projector type of the older LLaVA files, which name none (``clip.has_llava_projector``)."""
@@ -73,11 +74,17 @@ class Mmproj:
 
 def read_mmproj(path: Union[str, Path], supported: tuple[str, ...]) -> Mmproj:
     """The mmproj file at `path`, checked: a readable GGUF file, a vision projector ("clip" architecture) with a
-    vision encoder, and a projector type in `supported`."""
+    vision encoder, and a projector type in `supported` (read once per file version)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"The mmproj file {path} does not exist.")
-    reader = _reader(str(path))
+    stat = path.stat()
+    return _read_mmproj(path, stat.st_size, stat.st_mtime_ns, supported)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_mmproj(path: Path, size: int, mtime_ns: int, supported: tuple[str, ...]) -> Mmproj:
+    reader = gguf_reader(path)
     values = {}
     for name, field in reader.fields.items():
         if not name.startswith("GGUF."):

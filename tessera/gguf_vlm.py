@@ -77,7 +77,7 @@ def load_gguf_vlm_config(lm_path: Union[str, Path], mmproj_path: Union[str, Path
 
 def vocabulary_ids(lm_path: Union[str, Path], family: Family, mm: Mmproj) -> dict[str, int]:
     """The ids of the tokens `family` needs, from the language model's vocabulary."""
-    tokens = _reader_tokens(str(lm_path))
+    tokens = {token: i for i, token in enumerate(read_gguf_metadata(lm_path).tokens)}
     ids, missing = {}, []
     for name, token in family.tokens.items():
         if token in tokens:
@@ -90,15 +90,6 @@ def vocabulary_ids(lm_path: Union[str, Path], family: Family, mm: Mmproj) -> dic
             f"model's prompts need (the mmproj {mm.path} is of another model?)."
         )
     return ids
-
-
-def _reader_tokens(path: str) -> dict[str, int]:
-    from .gguf_file import _reader
-
-    field = _reader(path).fields.get("tokenizer.ggml.tokens")
-    if field is None:
-        return {}
-    return {bytes(field.parts[i]).decode("utf-8", "replace"): n for n, i in enumerate(field.data)}
 
 
 def named_tokens(mmproj_path: Union[str, Path]) -> dict[str, str]:

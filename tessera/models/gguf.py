@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from ..gguf_file import ARCHITECTURE_ALIASES, aliased_architectures, read_gguf_metadata, unreadable_gguf
+from ..gguf_file import ARCHITECTURE_ALIASES, gguf_reader, read_gguf_metadata, transformers_reading, unreadable_gguf
 from ..layers.gguf_blocks import QuantizedBlocks, decode_blocks
 
 IGNORED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})
@@ -64,7 +64,7 @@ def iter_gguf_checkpoint(
             f"Tensors of {path} that transformers' GGUF conversion gives no place in {shell.class_name}: {shown}."
         )
     try:
-        with aliased_architectures():
+        with transformers_reading():
             parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=shell, torch_dtype=dtype)
     except Exception as e:
         raise unreadable_gguf(path, e) from e
@@ -77,9 +77,7 @@ def _quantized_blocks(path: Path, processor, placed: dict[str, str]) -> Iterator
     """(HF name, blocks) of the file's decodable quantized matrices. transformers' tensor processor may reorder a
     de-quantized tensor's rows (Llama's q / k: llama.cpp interleaves the rotary halves); it is run on the row
     numbers to get the same order. A matrix it changes otherwise (values, shape) is left to de-quantizing."""
-    from gguf import GGUFReader
-
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in gguf_reader(path).tensors:
         shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
         if len(shape) != 2 or tensor.name not in placed:
             continue

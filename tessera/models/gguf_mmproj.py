@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..gguf_file import _reader, load_gguf_config
+from ..gguf_file import gguf_reader, load_gguf_config
 from ..gguf_mmproj import Mmproj, read_mmproj
 from ..layers.gguf_blocks import QuantizedBlocks
 from .gguf import iter_gguf_checkpoint
@@ -126,7 +126,7 @@ def iter_mmproj_tensors(
     table = [(re.compile(pattern), replacement) for pattern, replacement in RENAMES[mmproj.projector_type]]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     seen: set[str] = set()
-    for tensor in _reader(str(path)).tensors:
+    for tensor in gguf_reader(path).tensors:
         for pattern, replacement in table:
             if pattern.match(tensor.name):
                 name = pattern.sub(replacement, tensor.name, count=1)

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..distributed import get_tp_group
+from ..gguf_file import release_gguf_readers
 from ..layers.fused_moe import split_experts
 from ..layers.gguf_blocks import QuantizedBlocks, concat_rows
 from ..layers.linear import Linear, MergedLinear
@@ -62,7 +63,10 @@ def load_model(model_config: ModelConfig) -> nn.Module:
         else:
             tensors = iter_gguf_checkpoint(model_config.gguf_file, model_config.hf_config, model_config.dtype, keep)
         source = model_config.gguf_file + (f" + {model_config.mmproj}" if model_config.mmproj else "")
-        load_tensors(model, tensors, source, ignore_prefixes=ignore_prefixes, described_by="its metadata")
+        try:
+            load_tensors(model, tensors, source, ignore_prefixes=ignore_prefixes, described_by="its metadata")
+        finally:
+            release_gguf_readers()  # the file's parse, kept from its config and tokenizer on
     else:
         load_weights(model, model_config.model, allow_pickle=model_config.allow_pickle, ignore_prefixes=ignore_prefixes)
     place_parts(model, model_config)

@@ -96,7 +96,24 @@ def write_lora(vision_dir, modules, seed=0):
     return deltas
 
 
-def test_a_shipped_lora_is_merged_into_the_language_model(folder, tmp_path):
+@pytest.fixture
+def reuse_dequantized_language_model(folder, monkeypatch):
+    """Assemblies after the fixture's take its de-quantized language model (de-quantizing SmolLM2 takes ~13 s;
+    the fixture's assembly runs that path): the GGUF reader yields the folder's tensors under the file's names."""
+    from tessera.models import gguf
+
+    tensors = load_file(folder / "model.safetensors")
+    prefix = "language_model."
+
+    def folder_tensors(path, config, dtype=None, blocks=None):
+        yield from ((name[len(prefix) :], t) for name, t in tensors.items() if name.startswith(prefix))
+        if config.tie_word_embeddings:
+            yield "lm_head.weight", tensors[prefix + "model.embed_tokens.weight"]
+
+    monkeypatch.setattr(gguf, "iter_gguf_checkpoint", folder_tensors)
+
+
+def test_a_shipped_lora_is_merged_into_the_language_model(folder, tmp_path, reuse_dequantized_language_model):
     vision = build_random_vision_dir(tmp_path / "vision")  # the fixture's vision side (same seed)
     deltas = write_lora(vision, {"layers.0.self_attn.q_proj": (576, 576), "layers.29.mlp.down_proj": (576, 1536)})
     merged = load_file(demo_vlm.assemble_demo_vlm(tmp_path / "merged", vision) / "model.safetensors")
@@ -109,7 +126,7 @@ def test_a_shipped_lora_is_merged_into_the_language_model(folder, tmp_path):
         torch.testing.assert_close(merged[key], base[key] + delta, rtol=0, atol=1e-6)
 
 
-def test_a_lora_for_a_module_the_model_lacks_is_refused(tmp_path):
+def test_a_lora_for_a_module_the_model_lacks_is_refused(tmp_path, reuse_dequantized_language_model):
     vision = build_random_vision_dir(tmp_path / "vision")
     write_lora(vision, {"layers.0.self_attn.qkv_proj": (576, 576)})
     with pytest.raises(KeyError, match="layers.0.self_attn.qkv_proj has no base weight"):
