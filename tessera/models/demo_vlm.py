@@ -109,7 +109,7 @@ def assemble_demo_vlm(out: Path, vision_dir: Path, gguf: Optional[Path] = None) 
     from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaProcessor
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
-    from ..gguf_file import load_gguf_config
+    from ..gguf_file import load_gguf_config, release_gguf_readers
     from .gguf import iter_gguf_checkpoint
 
     gguf = gguf or find_smollm2_gguf()
@@ -129,6 +129,7 @@ def assemble_demo_vlm(out: Path, vision_dir: Path, gguf: Optional[Path] = None) 
         if name == "lm_head.weight" and text_config.tie_word_embeddings:
             continue
         tensors[f"language_model.{name}"] = tensor.contiguous()
+    release_gguf_readers()
     if (vision_dir / LORA_FILE).is_file():
         merge_lora(tensors, load_file(vision_dir / LORA_FILE))
     out.mkdir(parents=True, exist_ok=True)
