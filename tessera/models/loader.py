@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import ModelConfig
-from ..distributed import get_tp_group
+from ..distributed import TensorParallelGroup, get_tp_group, tensor_parallel_group
 from ..gguf_file import release_gguf_readers
 from ..layers.fused_moe import split_experts
 from ..layers.gguf_blocks import QuantizedBlocks, concat_rows
@@ -138,14 +138,18 @@ def blocks_by_layer(model: nn.Module, blocks: Mapping[str, QuantizedBlocks]) -> 
     return by_layer
 
 
-def check_class_tensor_parallel(model_config: ModelConfig) -> None:
+def check_class_tensor_parallel(model_config: ModelConfig, world_size: int = 2) -> None:
     """Before any rank starts: refuse tensor parallelism for a model class that says it cannot split
-    (`supports_tensor_parallel = False` on the class)."""
+    (`supports_tensor_parallel = False` on the class), and a model whose layers do not split over `world_size`
+    ranks (heads, widths: the model is built on the meta device as rank 0 would build it, so a worker never starts
+    to fail)."""
     model_cls, architecture = ModelRegistry.resolve_model_cls(model_config.architectures)
     if getattr(model_cls, "supports_tensor_parallel", True) is False:
         raise ValueError(
             f"{architecture} ({model_cls.__name__}) does not support tensor parallelism; use tensor_parallel_size=1."
         )
+    with tensor_parallel_group(TensorParallelGroup(rank=0, world_size=world_size)), torch.device("meta"):
+        check_tensor_parallel(model_cls(model_config.hf_config), architecture)
 
 
 def check_tensor_parallel(model: nn.Module, architecture: str) -> None:

@@ -20,6 +20,6 @@ def start_core(
     parallel_config = parallel_config or ParallelConfig()
     workers: Optional[WorkerGroup] = None
     if parallel_config.tensor_parallel_size > 1:
-        check_class_tensor_parallel(model_config)  # before any worker starts
+        check_class_tensor_parallel(model_config, parallel_config.tensor_parallel_size)  # before any worker starts
         workers = start_workers(model_config, parallel_config)
     return EngineCore(model_config, cache_config, scheduler_config, parallel_config, workers=workers)

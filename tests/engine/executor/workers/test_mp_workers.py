@@ -29,8 +29,7 @@ from testkit.generation import kv_bytes_per_token
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 TEXT_PROMPTS = ["How many squares are there?", "The circle is red and the square is blue.", "A b c d e f g h"]
-TEXT_MODELS = {
-    "llama": (LlamaForCausalLM, LlamaConfig, {}),
+TEXT_MODELS = {  # Llama: the tiny LLaVA's and the preemption test's language model
     "qwen3-window": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=16, use_sliding_window=True, sliding_window=6,
                                                          max_window_layers=0)),
     "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
@@ -204,15 +203,14 @@ def test_a_killed_worker_makes_the_offline_engine_raise(tiny_llava_dir):
         llm.shutdown()
 
 
-VLM_BUILDERS = {
+VLM_BUILDERS = {  # the vision side runs on rank 0 only: what differs under TP is the language model and its inputs
     "qwen2_5_vl": "testkit.qwen_vl:build_tiny_qwen2_5_vl",  # M-RoPE positions
     "qwen3_vl": "testkit.qwen_vl:build_tiny_qwen3_vl",  # DeepStack features beside the embeddings
     "gemma3": "testkit.gemma3:build_tiny_gemma3",  # bidirectional image spans, scaled embedding
-    "smolvlm": "testkit.idefics3:build_tiny_smolvlm",
-    "internvl": "testkit.internvl:build_tiny_internvl",
-    "mistral3": "testkit.mistral3:build_tiny_mistral3",
-    "llava_onevision": "testkit.llava_next:build_tiny_llava_onevision",
+    "llava_onevision": "testkit.llava_next:build_tiny_llava_onevision",  # Qwen2 (biased q/k/v), as InternVL's
 }
+"""SmolVLM's and Mistral 3's language models (Llama, Mistral) split as the tiny LLaVA's does; InternVL's (Qwen2) as
+LLaVA-OneVision's."""
 
 
 @pytest.mark.parametrize("name", VLM_BUILDERS)
