@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from .gguf_file import find_gguf_file, gguf_quantization, load_gguf_config, read_gguf_metadata
+from .gguf_file import find_gguf_file, find_mmproj_file, gguf_quantization, load_gguf_config, read_gguf_metadata
 from .gguf_vlm import load_gguf_vlm_config, processor_folder
 from .plugins import plugin_option_names, resolve_plugin_options
 from .pooling_params import PoolerConfig
@@ -122,7 +122,8 @@ class ModelConfig:
 
     mmproj: Optional[str] = None
     """With a GGUF `model`: llama.cpp's vision projector file for it (``mmproj-*.gguf``, as ``llama-server
-    --mmproj``), making the pair the vision model they were converted from (`tessera.gguf_vlm`)."""
+    --mmproj``), making the pair the vision model they were converted from (`tessera.gguf_vlm`). A model folder
+    holding one GGUF model and one ``mmproj*.gguf`` pairs them without it."""
 
     trust_remote_code: bool = False
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
@@ -195,6 +196,8 @@ class ModelConfig:
         self.model = str(folder)
         self.tokenizer = self.tokenizer or self.model
         self.processor_folder = self.model
+        if self.mmproj is None and gguf_file is not None:
+            self.mmproj = find_mmproj_file(folder)  # a folder holding the model's GGUF and its mmproj
         if self.mmproj is not None and gguf_file is None:
             raise ValueError(
                 f"mmproj is llama.cpp's vision projector for a GGUF model; {self.model} is not a GGUF file."

@@ -46,17 +46,15 @@ the template's is dropped before tokenizing (`tessera.engine.chat_utils`, as lla
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from .gguf_reading import gguf_reader, transformers_reading
 from .special_tokens import special_tokens_added
 
 logger = logging.getLogger(__name__)
@@ -64,23 +62,47 @@ logger = logging.getLogger(__name__)
 GGUF_SUFFIX = ".gguf"
 
 
+MMPROJ_PREFIX = "mmproj"
+"""How llama.cpp's vision projector files are named (``mmproj-model-f16.gguf``), beside the model's GGUF."""
+
+
+def _gguf_files(folder: Path, mmproj: bool) -> list[Path]:
+    """A folder's ``.gguf`` files: the vision projectors (``mmproj*``) or the others."""
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() == GGUF_SUFFIX and p.is_file()
+                  and p.name.lower().startswith(MMPROJ_PREFIX) == mmproj)  # fmt: skip
+
+
 def find_gguf_file(path: Union[str, Path]) -> Optional[Path]:
     """The GGUF file a model path names: the path itself if it is a ``.gguf`` file, or the only
-    ``.gguf`` file of a folder that has no config.json. None for anything else (a Hugging Face
-    folder, or nothing). A folder with several ``.gguf`` files and no config.json is an error."""
+    ``.gguf`` file of a folder that has no config.json (an ``mmproj*.gguf`` beside it is its vision projector:
+    `find_mmproj_file`). None for anything else (a Hugging Face folder, or nothing). A folder with several
+    model ``.gguf`` files and no config.json is an error."""
     path = Path(path)
     if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
         if not path.is_file():
             raise ValueError(f"The GGUF file {path} does not exist.")
         return path
     if path.is_dir() and not (path / "config.json").is_file():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
+        files = _gguf_files(path, mmproj=False)
         if len(files) > 1:
             names = ", ".join(p.name for p in files[:8]) + (" ..." if len(files) > 8 else "")
             raise ValueError(f"{path} holds {len(files)} GGUF files ({names}); pass the path of the one to load.")
         if files:
             return files[0]
     return None
+
+
+def find_mmproj_file(path: Union[str, Path]) -> Optional[Path]:
+    """For a model folder holding a GGUF model (`find_gguf_file`), the one vision projector beside it
+    (``mmproj*.gguf``, as llama.cpp's repositories publish the pair), else None; several is an error."""
+    path = Path(path)
+    if not path.is_dir() or find_gguf_file(path) is None:
+        return None
+    files = _gguf_files(path, mmproj=True)
+    if len(files) > 1:
+        raise ValueError(f"{path} holds {len(files)} mmproj files ({', '.join(p.name for p in files)}); pass the "
+                         "one that goes with the model as mmproj.")  # fmt: skip
+    return files[0] if files else None
 
 
 @dataclass(frozen=True)
@@ -180,90 +202,6 @@ def read_gguf_values(path: Union[str, Path]) -> dict[str, Any]:
     return read_gguf_metadata(path).values
 
 
-ARCHITECTURE_ALIASES = {"qwen2vl": "qwen2"}
-"""Language-model architectures of vision models that llama.cpp names apart but that are, as text models, one
-transformers converts: Qwen2-VL / Qwen2.5-VL's language model is Qwen2's (plus ``rope.dimension_sections``,
-M-RoPE's sections, which `tessera.gguf_vlm` reads)."""
-_readers_lock = threading.RLock()
-
-
-@contextlib.contextmanager
-def transformers_reading():
-    """While open, transformers' GGUF conversion (config, tokenizer, weights: each parses the file anew, seconds
-    for a large vocabulary) gets the file's parse that Tessera keeps (`gguf_reader`), and reads an aliased
-    architecture (`ARCHITECTURE_ALIASES`) as the one it stands for: its keys and ``general.architecture``
-    renamed."""
-    import gguf
-
-    def reader(path, *args, **kwargs):
-        return _aliased(gguf_reader(str(path)))
-
-    with _readers_lock:  # load_gguf_checkpoint imports the reader from gguf when it runs
-        saved, gguf.GGUFReader = gguf.GGUFReader, reader
-        try:
-            yield
-        finally:
-            gguf.GGUFReader = saved
-
-
-def _aliased(reader: Any) -> Any:
-    """`reader`, or for an aliased architecture a shallow copy whose fields say the architecture it stands for."""
-    import copy
-
-    import numpy as np
-
-    arch = reader.fields.get("general.architecture")
-    original = arch.contents() if arch is not None else None
-    alias = ARCHITECTURE_ALIASES.get(original)
-    if alias is None:
-        return reader
-    fields = {}
-    for name, field in reader.fields.items():
-        if name == "general.architecture":
-            text = np.frombuffer(alias.encode(), dtype=np.uint8)
-            field = field._replace(parts=[*field.parts[:-2], np.array([len(text)], dtype=np.uint64), text])
-        elif name.startswith(original + "."):
-            name = alias + name[len(original) :]
-            field = field._replace(name=name)
-        fields[name] = field
-    aliased = copy.copy(reader)
-    aliased.fields = fields
-    return aliased
-
-
-_parsed: "OrderedDict[tuple[str, int, int], Any]" = OrderedDict()
-KEPT_PARSES = 2
-"""The files whose parse is kept: a language model and its mmproj."""
-
-
-def gguf_reader(path: Union[str, Path]) -> Any:
-    """gguf's `GGUFReader` of the file at `path`, parsed once while a model loads: the last files parsed are kept
-    (by path, size and modification time) until `release_gguf_readers`, so a model's config, tokenizer and
-    weights take one parse (a 150k-token vocabulary takes seconds) instead of one each. Errors name the file."""
-    resolved = Path(path).resolve()
-    try:
-        stat = resolved.stat()
-    except OSError as e:
-        raise ValueError(f"The GGUF file {path} cannot be read ({e}).") from e
-    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
-    with _readers_lock:
-        if key in _parsed:
-            _parsed.move_to_end(key)
-            return _parsed[key]
-    reader = _reader(str(path))
-    with _readers_lock:
-        _parsed[key] = reader
-        while len(_parsed) > KEPT_PARSES:
-            _parsed.popitem(last=False)
-    return reader
-
-
-def release_gguf_readers() -> None:
-    """Drop the kept parse (`gguf_reader`): called once a model's weights are loaded."""
-    with _readers_lock:
-        _parsed.clear()
-
-
 def _weight_types(reader: Any) -> dict[str, int]:
     types: dict[str, int] = {}
     for tensor in reader.tensors:
@@ -287,19 +225,6 @@ def gguf_quantization(path: Union[str, Path]) -> Optional[str]:
         return None
     main = max(types, key=types.get)
     return "int4" if main in GGUF_INT4_TYPES else "int8" if main in GGUF_INT8_TYPES else None
-
-
-def _reader(path: str) -> Any:
-    try:
-        from gguf.gguf_reader import GGUFReader  # the class itself, not `transformers_reading`'s stand-in
-    except ImportError as e:
-        raise ImportError(
-            f"Reading the GGUF file {path} needs the gguf package: pip install 'gguf>=0.10' (or tessera[gguf])."
-        ) from e
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # not a GGUF file, or a truncated one
-        raise ValueError(f"{path} is not a readable GGUF file: truncated or corrupt ({type(e).__name__}: {e}).") from e
 
 
 def unreadable_gguf(path: Union[str, Path], error: Exception) -> ValueError:
@@ -359,6 +284,11 @@ def fix_architecture(config: PretrainedConfig, values: dict[str, Any]) -> list[s
         sliding = list(pattern) if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(layers)]
         if values.get("gemma3.attention.sliding_window"):
             wanted["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    return _set_changed(config, wanted)
+
+
+def _set_changed(config: PretrainedConfig, wanted: dict[str, Any]) -> list[str]:
+    """Set each of `wanted` on `config` where it differs; returns what was changed."""
     changes = []
     for name, value in wanted.items():
         current = getattr(config, name, None)
@@ -384,12 +314,7 @@ def fix_gguf_config(config: PretrainedConfig, metadata: GGUFMetadata) -> list[st
         "eos_token_id": stop[0] if len(stop) == 1 else (stop or None),
         "pad_token_id": metadata.pad_token_id,
     }
-    for name, value in wanted.items():
-        current = getattr(config, name, None)
-        if current != value:
-            setattr(config, name, value)
-            changes.append(f"{name} {current!r} -> {value!r}")
-    return changes
+    return changes + _set_changed(config, wanted)
 
 
 # ---- tokenizer ------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from .gguf_file import gguf_reader
+from .gguf_reading import gguf_reader
 
 LEGACY_LLAVA_PROJECTOR = "mlp"
 """The projector type of the older LLaVA files, which name none (``clip.has_llava_projector``)."""

@@ -109,7 +109,8 @@ def assemble_demo_vlm(out: Path, vision_dir: Path, gguf: Optional[Path] = None) 
     from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaProcessor
     from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, PILImageResampling
 
-    from ..gguf_file import load_gguf_config, release_gguf_readers
+    from ..gguf_file import load_gguf_config
+    from ..gguf_reading import release_gguf_readers
     from .gguf import iter_gguf_checkpoint
 
     gguf = gguf or find_smollm2_gguf()

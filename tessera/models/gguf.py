@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from ..gguf_file import ARCHITECTURE_ALIASES, gguf_reader, read_gguf_metadata, transformers_reading, unreadable_gguf
+from ..gguf_file import read_gguf_metadata, unreadable_gguf
+from ..gguf_reading import ARCHITECTURE_ALIASES, gguf_reader, transformers_reading
 from ..layers.gguf_blocks import QuantizedBlocks, decode_blocks
 
 IGNORED_GGUF_TENSORS = frozenset({"rope_freqs.weight"})

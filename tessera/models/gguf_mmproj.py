@@ -22,8 +22,9 @@ from typing import Optional, Union
 
 import torch
 
-from ..gguf_file import gguf_reader, load_gguf_config
+from ..gguf_file import load_gguf_config
 from ..gguf_mmproj import Mmproj, read_mmproj
+from ..gguf_reading import gguf_reader
 from ..layers.gguf_blocks import QuantizedBlocks
 from .gguf import iter_gguf_checkpoint
 

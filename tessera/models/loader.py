@@ -20,7 +20,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..distributed import TensorParallelGroup, get_tp_group, tensor_parallel_group
-from ..gguf_file import release_gguf_readers
+from ..gguf_reading import release_gguf_readers
 from ..layers.fused_moe import split_experts
 from ..layers.gguf_blocks import QuantizedBlocks, concat_rows
 from ..layers.linear import Linear, MergedLinear

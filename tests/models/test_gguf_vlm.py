@@ -246,3 +246,19 @@ def test_the_pair_answers_as_llama_cpp(pairs, kind):
     (answer,) = llm.chat(messages, GREEDY, use_tqdm=False)
     text = expected["choices"][0]["message"]["content"]
     assert answer.outputs[0].text.replace("\ufffd", "") == text.replace("\ufffd", "") and text.strip()
+
+
+def test_a_folder_holding_the_model_and_its_mmproj_is_the_pair(pairs, tmp_path):
+    """As llama.cpp's repositories publish them: the model's GGUF and ``mmproj-*.gguf`` side by side. The folder is
+    the pair; a second mmproj in it is an error naming both."""
+    _, out = pairs["gemma3"]
+    folder = tmp_path / "gemma3-gguf"
+    folder.mkdir()
+    (folder / "model-F16.gguf").symlink_to(out / "lm-f16.gguf")
+    (folder / "mmproj-model-f16.gguf").symlink_to(out / "mmproj-f16.gguf")
+    llm = LLM(str(folder), device="cpu", kv_cache_memory="8MiB")
+    assert Path(llm.engine.model_config.mmproj).name == "mmproj-model-f16.gguf"
+    assert answers(llm, [chat()]) == answers(pair_llm(pairs, "gemma3"), [chat()])
+    (folder / "mmproj-other.gguf").symlink_to(out / "mmproj-f16.gguf")
+    with pytest.raises(ValueError, match="holds 2 mmproj files"):
+        LLM(str(folder), device="cpu", kv_cache_memory="8MiB")
