@@ -53,6 +53,7 @@ def _qwen_tower(v25: bool) -> list[tuple[str, str]]:
         mlp = [(_BLOCK + r"ffn_up\.", r"blocks.\1.mlp.fc1."), (_BLOCK + r"ffn_down\.", r"blocks.\1.mlp.fc2.")]
     return [
         (_BLOCK + r"attn_(q|k|v)\.", r"blocks.\1.attn.qkv.\2."),  # joined below: q, k, v rows in that order
+        (_BLOCK + r"attn_qkv\.", r"blocks.\1.attn.qkv."),  # files written fused (--fuse-qkv)
         (_BLOCK + r"attn_out\.", r"blocks.\1.attn.proj."),
         (_BLOCK + r"ln1\.", r"blocks.\1.norm1."),
         (_BLOCK + r"ln2\.", r"blocks.\1.norm2."),

@@ -151,7 +151,7 @@ def write_mmproj(path, projector_type: str, vision: bool = True, **tensors: tupl
 
 def test_wrong_pairs_and_files_are_clear_errors_at_load(pairs, tmp_path):
     """Each names the file and what is wrong: an mmproj of another model (another architecture, or another
-    width), a truncated mmproj, an unknown projector type, an audio-only projector, the two files swapped, an
+    width), a truncated mmproj or model, an unknown projector type, an audio-only projector, the two files swapped, an
     mmproj without a GGUF model."""
     _, qwen = pairs["qwen2_vl"]
     _, gemma = pairs["gemma3"]
@@ -159,10 +159,13 @@ def test_wrong_pairs_and_files_are_clear_errors_at_load(pairs, tmp_path):
     lm, mmproj = qwen / "lm-f16.gguf", qwen / "mmproj-f16.gguf"
     truncated = tmp_path / "mmproj-truncated.gguf"
     truncated.write_bytes(mmproj.read_bytes()[: mmproj.stat().st_size // 2])
+    truncated_lm = tmp_path / "lm-truncated.gguf"
+    truncated_lm.write_bytes(lm.read_bytes()[: lm.stat().st_size // 2])
     cases = [
         (lm, gemma / "mmproj-f16.gguf", "goes with a gemma3 language model"),
         (llava / "lm-f16.gguf", write_mmproj(tmp_path / "wide.gguf", "mlp", mm_2_weight=(48, 64)), "not belong to"),
         (lm, truncated, "truncated"),
+        (truncated_lm, mmproj, "truncated"),
         (lm, write_mmproj(tmp_path / "resampler.gguf", "resampler"), "projector type 'resampler'"),
         (lm, write_mmproj(tmp_path / "audio.gguf", "qwen2vl_merger", vision=False), "no vision encoder"),
         (lm, lm, "is not an mmproj file"),
@@ -262,3 +265,35 @@ def test_a_folder_holding_the_model_and_its_mmproj_is_the_pair(pairs, tmp_path):
     (folder / "mmproj-other.gguf").symlink_to(out / "mmproj-f16.gguf")
     with pytest.raises(ValueError, match="holds 2 mmproj files"):
         LLM(str(folder), device="cpu", kv_cache_memory="8MiB")
+
+
+def test_an_mmproj_with_fused_qkv_is_the_same_model(pairs, tmp_path):
+    """llama.cpp's converter can write a tower's q, k, v as one ``attn_qkv`` tensor (``--fuse-qkv``): the same
+    weights, the same answers."""
+    import gguf
+
+    from tessera.gguf_reading import gguf_reader
+
+    _, out = pairs["qwen2_vl"]
+    source = gguf_reader(out / "mmproj-f32.gguf")
+    writer = gguf.GGUFWriter(str(tmp_path / "mmproj-fused.gguf"), "clip")
+    for field in source.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            value = field.contents()
+            writer.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1
+                                 else None)  # fmt: skip
+    tensors = {t.name: np.array(t.data) for t in source.tensors}
+    for name in sorted(tensors):
+        if ".attn_q." in name:
+            fused = np.concatenate([tensors[name.replace("attn_q", part)] for part in ("attn_q", "attn_k", "attn_v")])
+            writer.add_tensor(name.replace("attn_q", "attn_qkv"), fused)
+        elif ".attn_k." not in name and ".attn_v." not in name:
+            writer.add_tensor(name, tensors[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert sum(".attn_qkv." in t.name for t in gguf_reader(tmp_path / "mmproj-fused.gguf").tensors) == 2 * 2
+    fused = LLM(str(out / "lm-f32.gguf"), mmproj=str(tmp_path / "mmproj-fused.gguf"), device="cpu",
+                kv_cache_memory="8MiB", mm_processor_kwargs=PROCESSOR_OPTIONS["qwen2_vl"])  # fmt: skip
+    assert answers(fused, [chat()]) == answers(pair_llm(pairs, "qwen2_vl", "f32"), [chat()])
