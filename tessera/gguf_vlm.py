@@ -87,7 +87,9 @@ def vocabulary_ids(lm_path: Union[str, Path], family: Family, mm: Mmproj) -> dic
     if missing:
         raise ValueError(
             f"The language model {lm_path} has no {', '.join(missing)} token, which a {mm.projector_type!r} "
-            f"model's prompts need (the mmproj {mm.path} is of another model?)."
+            f"model's HF processor writes into prompts: check that the mmproj {mm.path} is this model's; a model "
+            "converted from a checkpoint whose vocabulary lacks it (the original LLaVA-1.5 weights, not llava-hf's) "
+            "cannot run here."
         )
     return ids
 
