@@ -94,9 +94,12 @@ def vocabulary_ids(lm_path: Union[str, Path], family: Family, mm: Mmproj) -> dic
     return ids
 
 
-def named_tokens(mmproj_path: Union[str, Path]) -> dict[str, str]:
-    """The model-specific tokens the pair's processor reads off the tokenizer by name."""
-    return dict(read_pair_mmproj(mmproj_path)[1].tokens)
+def named_tokens(lm_path: Union[str, Path], mmproj_path: Union[str, Path]) -> dict[str, str]:
+    """The model-specific tokens the pair's processor reads off the tokenizer by name (the optional ones where the
+    language model's vocabulary has them)."""
+    family = read_pair_mmproj(mmproj_path)[1]
+    vocabulary = set(read_gguf_metadata(lm_path).tokens)
+    return {**family.tokens, **{k: t for k, t in family.optional_tokens.items() if t in vocabulary}}
 
 
 def processor_folder(config: PretrainedConfig, lm_path: Union[str, Path], mmproj_path: Union[str, Path],
@@ -119,7 +122,7 @@ def processor_folder(config: PretrainedConfig, lm_path: Union[str, Path], mmproj
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".writing-", dir=folder.parent))
-    load_gguf_tokenizer(lm_path, **family.tokens).save_pretrained(staging)  # what the processor loads beside ours
+    load_gguf_tokenizer(lm_path, **named_tokens(lm_path, mmproj_path)).save_pretrained(staging)  # loaded, then ours
     for name, text in files.items():
         (staging / name).write_text(text)
     try:

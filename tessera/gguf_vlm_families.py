@@ -6,6 +6,7 @@ pair with them."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,6 +36,8 @@ class Family:
     """(mmproj, config dict) -> processor_config.json."""
     projector_width: Callable[[Mmproj], int]
     """The width of the embeddings the projector gives the language model."""
+    optional_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Tokens the processor names where the vocabulary has them (a video token, for videos only)."""
 
 
 def _activation(mm: Mmproj, default: str) -> str:
@@ -196,6 +199,37 @@ def _llava_processor(mm: Mmproj, config: dict[str, Any]) -> dict[str, Any]:
             "image_processor": _processor_component("CLIPImageProcessor", **settings)}  # fmt: skip
 
 
+INTERNVL_TILES = (1, 12)
+"""The fewest and most 448-pixel tiles an image is cut into where the mmproj says no other
+(``clip.vision.preproc_min_tiles`` / ``preproc_max_tiles``): llama.cpp's and the released processors' range."""
+
+
+def _internvl_config(mm: Mmproj, text: PretrainedConfig, ids: dict[str, int], lm: dict[str, Any]) -> dict[str, Any]:
+    size, patch, scale = mm.vision("image_size"), mm.vision("patch_size"), int(mm.vision("projector.scale_factor", 2))
+    tower = _tower(mm, "internvl_vision", "gelu")
+    vision = {**{k: v for k, v in tower.items() if k != "num_channels"}, "image_size": [size, size],
+              "patch_size": [patch, patch], "attention_bias": "v.blk.0.attn_q.bias" in mm.shapes,
+              "use_qk_norm": "v.blk.0.attn_q_norm.weight" in mm.shapes, "norm_type": "layer_norm",
+              "use_mean_pooling": True}  # fmt: skip
+    return {"model_type": "internvl", "text_config": _text_config(text, text.model_type), "vision_config": vision,
+            "downsample_ratio": 1 / scale, "image_token_id": ids["context_image_token"],
+            "projector_hidden_act": "gelu", "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
+            "image_seq_length": (size // patch) ** 2 // scale**2}  # fmt: skip
+
+
+def _internvl_processor(mm: Mmproj, config: dict[str, Any]) -> dict[str, Any]:
+    size = mm.vision("image_size")
+    least, most = (int(mm.vision(key, default)) for key, default in zip(("preproc_min_tiles", "preproc_max_tiles"),
+                                                                          INTERNVL_TILES))  # fmt: skip
+    settings = dict(size={"height": size, "width": size}, image_mean=mm.vision("image_mean"),
+                    image_std=mm.vision("image_std"))  # fmt: skip
+    image = _processor_component("GotOcr2ImageProcessor", crop_to_patches=True, min_patches=least, max_patches=most,
+                                 **settings)  # fmt: skip
+    return {"processor_class": "InternVLProcessor", "image_processor": image,
+            "video_processor": _processor_component("InternVLVideoProcessor", **settings),
+            "image_seq_length": config["image_seq_length"]}  # fmt: skip
+
+
 FAMILIES: dict[str, Family] = {
     "qwen2vl_merger": Family(
         "Qwen2VLForConditionalGeneration", ("qwen2vl",), _QWEN_TOKENS,
@@ -219,6 +253,12 @@ FAMILIES: dict[str, Family] = {
         {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
          "global_image_token": "<global-img>"},
         _idefics3_config, _idefics3_processor, lambda mm: mm.shape("mm.model.fc.weight")[0],
+    ),
+    "internvl": Family(
+        "InternVLForConditionalGeneration", ("qwen2", "llama", "qwen3"),
+        {"context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>", "end_image_token": "</img>"},
+        _internvl_config, _internvl_processor, lambda mm: mm.shape("mm.model.mlp.3.weight")[0],
+        {"video_token": "<video>"},
     ),
     "mlp": Family(
         "LlavaForConditionalGeneration", ("llama", "qwen2", "mistral"), {"image_token": "<image>"},

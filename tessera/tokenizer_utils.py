@@ -23,7 +23,7 @@ def load_tokenizer(model_config: ModelConfig) -> Any:
     mistral-common was installed: transformers would otherwise prefer tekken.json)."""
     gguf_file = find_gguf_file(model_config.tokenizer)
     if gguf_file is not None:
-        named = named_tokens(model_config.mmproj) if model_config.mmproj else {}  # what the pair's processor reads
+        named = named_tokens(gguf_file, model_config.mmproj) if model_config.mmproj else {}  # the processor reads
         return load_gguf_tokenizer(gguf_file, trust_remote_code=model_config.trust_remote_code, **named)
     folder = Path(model_config.tokenizer)
     options: dict[str, Any] = {}

@@ -13,6 +13,9 @@ folder does, token for token):
 * Qwen2.5-VL: 112-pixel attention windows, the size every released Qwen2.5-VL has and llama.cpp assumes (the
   mmproj does not carry it).
 * Gemma 3: every 6th layer full attention, as released (the converter writes no pattern; llama.cpp assumes 6).
+* InternVL: the tower and projector under ``model.`` with the converter's class for them named in the vision
+  config (it registers OpenGVLab's remote-code layout by that name; the names map from transformers' too); its
+  language model taken out as for LLaVA-NeXT.
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ def prepare_for_conversion(folder: Path, kind: str) -> Path:
         _edit_config(folder, lambda c: c["text_config"].update(architectures=["LlamaForCausalLM"]))
     if kind == "qwen2_5_vl":
         _edit_config(folder, lambda c: c["vision_config"].update(window_size=112))
+    if kind == "internvl":  # the hub's transformers layout (OpenGVLab/InternVL3-*-hf), which the converter maps
+        tensors = {(f"model.{n}" if n.startswith(("vision_tower.", "multi_modal_projector.")) else n): t
+                   for n, t in tensors.items()}  # fmt: skip
+        save_file(tensors, path, metadata={"format": "pt"})
+        _edit_config(folder, lambda c: c["vision_config"].update(architectures=["InternVisionModel"]))
     if kind == "gemma3":  # the converter writes no sliding-window pattern: llama.cpp takes every 6th layer full
         _edit_config(folder, lambda c: c["text_config"].update(
             layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
@@ -124,13 +132,15 @@ def _legacy_name(name: str, blocks: int):
 
 
 def language_model_folder(folder: Path) -> Path:
-    """llama.cpp's `llava_surgery_v2.py` for LLaVA-NeXT, whose language model the converter does not take from the
-    VLM checkpoint: the language model alone, as a Llama / Mistral causal-LM folder beside it."""
+    """llama.cpp's `llava_surgery_v2.py` for LLaVA-NeXT (and InternVL), whose language model the converter does not
+    take from the VLM checkpoint: the language model alone, as a causal-LM folder beside it."""
     out = folder.with_name(folder.name + "-lm")
     out.mkdir(exist_ok=True)
     config = json.loads((folder / "config.json").read_text())
     text = config["text_config"]
-    text["architectures"] = [{"mistral": "MistralForCausalLM"}.get(text["model_type"], "LlamaForCausalLM")]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    text["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text["model_type"]]]
     (out / "config.json").write_text(json.dumps(text, indent=2))
     tensors = {}
     for name, tensor in load_file(folder / "model.safetensors").items():
@@ -150,7 +160,7 @@ def convert_pairs(jobs: list[tuple[Path, str, Path, tuple[str, ...]]]) -> None:
     for folder, kind, out, outtypes in jobs:
         out.mkdir(parents=True, exist_ok=True)
         for outtype in outtypes:
-            text = language_model_folder(folder) if kind == "llava_next" else folder
+            text = language_model_folder(folder) if kind in ("llava_next", "internvl") else folder
             conversions.append((text, out / f"lm-{outtype}.gguf", outtype, False))
             if kind.startswith("llava"):
                 write_legacy_llava_mmproj(folder, out / f"mmproj-{outtype}.gguf", outtype=outtype)

@@ -5,6 +5,7 @@ Each tensor is de-quantized (F16, BF16, Q8_0... through the `gguf` package: the 
 from a safetensors folder) and renamed by its family's table (`RENAMES`). The converters' changes are undone:
 * Qwen2-VL / 2.5-VL: the Conv3d patch kernel was cut into its two frames (``v.patch_embd.weight`` and
   ``.weight.1``): stacked again on the time axis; the fused ``attn.qkv`` was split into q, k, v: joined.
+* InternVL: the layer scales were written as ``ls1`` / ``ls2`` weights: ``lambda_1`` / ``lambda_2`` again.
 * Gemma 3: the soft-embedding norm was written as ``1 + weight`` (llama.cpp's RMSNorm multiplies by the weight
   itself): 1 is taken off.
 * LLaVA (the older converter): ``mlp.fc1`` was written as ``ffn_down`` and ``fc2`` as ``ffn_up``; the roles
@@ -79,6 +80,22 @@ RENAMES: dict[str, list[tuple[str, str]]] = {
     "idefics3": [
         *_prefixed("model.vision_model.", _SIGLIP_TOWER),
         (r"mm\.model\.fc\.", "model.connector.modality_projection.proj."),
+    ],
+    "internvl": [
+        (r"v\.class_embd", "model.vision_tower.embeddings.cls_token"),
+        (r"v\.patch_embd\.", "model.vision_tower.embeddings.patch_embeddings.projection."),
+        (r"v\.position_embd\.weight", "model.vision_tower.embeddings.position_embeddings"),
+        (_BLOCK + r"attn_(q|k|v)\.", r"model.vision_tower.encoder.layer.\1.attention.\2_proj."),
+        (_BLOCK + r"attn_(q|k)_norm\.", r"model.vision_tower.encoder.layer.\1.attention.\2_norm."),
+        (_BLOCK + r"attn_out\.", r"model.vision_tower.encoder.layer.\1.attention.projection_layer."),
+        (_BLOCK + r"ls(1|2)\.weight", r"model.vision_tower.encoder.layer.\1.lambda_\2"),
+        (_BLOCK + r"ln1\.", r"model.vision_tower.encoder.layer.\1.layernorm_before."),
+        (_BLOCK + r"ln2\.", r"model.vision_tower.encoder.layer.\1.layernorm_after."),
+        (_BLOCK + r"ffn_up\.", r"model.vision_tower.encoder.layer.\1.mlp.fc1."),
+        (_BLOCK + r"ffn_down\.", r"model.vision_tower.encoder.layer.\1.mlp.fc2."),
+        (r"mm\.model\.mlp\.0\.", "model.multi_modal_projector.layer_norm."),
+        (r"mm\.model\.mlp\.1\.", "model.multi_modal_projector.linear_1."),
+        (r"mm\.model\.mlp\.3\.", "model.multi_modal_projector.linear_2."),
     ],
     "mlp": [
         *_prefixed("model.vision_tower.vision_model.", _SIGLIP_TOWER),

@@ -22,6 +22,7 @@ from testkit.gemma3 import build_tiny_gemma3
 from testkit.generation import greedy_logprobs
 from testkit.gguf_vlm import convert_pairs, prepare_for_conversion
 from testkit.idefics3 import build_tiny_idefics3, build_tiny_smolvlm
+from testkit.internvl import build_tiny_internvl
 from testkit.llava_next import build_tiny_llava_next
 from testkit.qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
 
@@ -33,6 +34,7 @@ BUILDERS = {
     "smolvlm": build_tiny_smolvlm,
     "llava": build_tiny_llava,
     "llava_next": build_tiny_llava_next,
+    "internvl": build_tiny_internvl,
 }
 OUTTYPES = {"qwen2_vl": ("f16", "f32", "q8_0")}
 """Every family as F16; one also as F32 and Q8_0 (the reading of each type is shared by all)."""
@@ -62,9 +64,10 @@ def chat(text: str = "What is in the picture?", seed: int = 0) -> list[dict]:
 
 
 PROCESSOR_OPTIONS = {"qwen2_vl": {"size": {"shortest_edge": 256, "longest_edge": 3072}},
-                     "qwen2_5_vl": {"size": {"shortest_edge": 256, "longest_edge": 3072}}}  # fmt: skip
-"""What the HF folders' processors set that the GGUF files do not carry (the tiny Qwen folders' pixel range):
-passed to the pair as a user would, as processor options."""
+                     "qwen2_5_vl": {"size": {"shortest_edge": 256, "longest_edge": 3072}},
+                     "internvl": {"max_patches": 4}}  # fmt: skip
+"""What the HF folders' processors set that the GGUF files do not carry (the tiny Qwen folders' pixel range, the
+tiny InternVL's tile count): passed to the pair as a user would, as processor options."""
 
 
 def answers(llm: LLM, chats: list[list[dict]]) -> tuple[list[list[int]], list[list[int]]]:
