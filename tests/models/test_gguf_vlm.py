@@ -228,7 +228,7 @@ LLAMA_CPP_OPTIONS = {"qwen2_vl": {"size": {"shortest_edge": 2048, "longest_edge"
 """A pixel range inside llama.cpp's (8 to 4096 tokens) that the tiny models' 1024-token context holds."""
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "gemma3", "internvl"])
 def test_the_pair_answers_as_llama_cpp(pairs, kind):
     """Where llama-cpp-python's multimodal API runs the pair (the `bench` extra; llama.cpp refuses the tiny SmolVLM
     pair's image slices and has no LLaVA converter left): the same greedy answer, for an image neither resizes.
@@ -241,7 +241,7 @@ def test_the_pair_answers_as_llama_cpp(pairs, kind):
 
     _, out = pairs[kind]
     lm, mmproj = str(out / "lm-f16.gguf"), str(out / "mmproj-f16.gguf")
-    side = 32 if kind == "gemma3" else 64  # Gemma 3's tower size; a 64-pixel square is 16 Qwen tokens
+    side = 32 if kind in ("gemma3", "internvl") else 64  # one tile of the tower's size; 16 Qwen tokens
     content = [{"type": "image_url", "image_url": {"url": image_data_url(image(side, side))}},
                {"type": "text", "text": "What is in the picture?"}]  # fmt: skip
     messages = [{"role": "user", "content": content}]
