@@ -300,3 +300,12 @@ def test_an_mmproj_with_fused_qkv_is_the_same_model(pairs, tmp_path):
     fused = LLM(str(out / "lm-f32.gguf"), mmproj=str(tmp_path / "mmproj-fused.gguf"), device="cpu",
                 kv_cache_memory="8MiB", mm_processor_kwargs=PROCESSOR_OPTIONS["qwen2_vl"])  # fmt: skip
     assert answers(fused, [chat()]) == answers(pair_llm(pairs, "qwen2_vl", "f32"), [chat()])
+
+
+def test_a_largest_image_longer_than_the_context_says_how_to_cap_it(pairs):
+    """Qwen-VL images may take up to 4096 tokens (llama.cpp's range), more than the tiny model's 1024-token
+    context: the start-up error says so and names the option that caps them; with it the pair starts."""
+    _, out = pairs["qwen2_vl"]
+    with pytest.raises(ValueError, match=r"1 image of up to 4096 tokens.*context is 1024.*mm_processor_kwargs"):
+        LLM(str(out / "lm-f16.gguf"), mmproj=str(out / "mmproj-f16.gguf"), device="cpu", kv_cache_memory="8MiB")
+    assert pair_llm(pairs, "qwen2_vl").engine.model_config.mmproj is not None

@@ -372,7 +372,13 @@ class EngineCore:
         try:
             self.info.limits.check(token_ids, items, 1)
         except ValueError as e:
-            raise ValueError(f"The engine cannot run a worst-case prompt with this configuration: {e}") from e
+            largest = ", ".join(f"{n} {m}{'s' if n > 1 else ''} of up to {max_items.get(m, 0)} tokens"
+                                for m, n in counts.items())  # fmt: skip
+            raise ValueError(
+                f"The engine cannot run a worst-case prompt with this configuration ({largest}): {e} Make the "
+                "largest item smaller with mm_processor_kwargs (e.g. a smaller max_pixels / size), allow fewer with "
+                "limit_mm_per_prompt, or give the model a longer max_model_len."
+            ) from e
         pooling = PoolingParams() if self.pooler_config is not None else None  # a pooling model's step pools
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
         self.add_request(EngineCoreRequest(PROFILE_REQUEST, token_ids, params, items))
