@@ -309,3 +309,17 @@ def test_a_largest_image_longer_than_the_context_says_how_to_cap_it(pairs):
     with pytest.raises(ValueError, match=r"1 image of up to 4096 tokens.*context is 1024.*mm_processor_kwargs"):
         LLM(str(out / "lm-f16.gguf"), mmproj=str(out / "mmproj-f16.gguf"), device="cpu", kv_cache_memory="8MiB")
     assert pair_llm(pairs, "qwen2_vl").engine.model_config.mmproj is not None
+
+
+def test_two_ranks_run_the_pair_as_one(pairs):
+    """Tensor parallelism over a pair: each rank reads both files (the tower runs on rank 0); the same tokens."""
+    _, out = pairs["llava"]
+    tokens = {}
+    for size in (1, 2):
+        llm = LLM(str(out / "lm-f16.gguf"), mmproj=str(out / "mmproj-f16.gguf"), device="cpu", kv_cache_memory="8MiB",
+                  tensor_parallel_size=size)  # fmt: skip
+        try:
+            tokens[size] = answers(llm, [chat(), chat("Describe it.", seed=1)])
+        finally:
+            llm.shutdown()
+    assert tokens[2] == tokens[1]
