@@ -16,10 +16,11 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Union
 
-ARCHITECTURE_ALIASES = {"qwen2vl": "qwen2"}
-"""Language-model architectures of vision models that llama.cpp names apart but that are, as text models, one
+ARCHITECTURE_ALIASES = {"qwen2vl": "qwen2", "mistral3": "llama"}
+"""Language-model architectures of vision models that llama.cpp names apart but that are, as text models, ones
 transformers converts: Qwen2-VL / Qwen2.5-VL's language model is Qwen2's (plus ``rope.dimension_sections``,
-M-RoPE's sections, which `tessera.gguf_vlm` reads)."""
+M-RoPE's sections, which `tessera.gguf_vlm` reads); Mistral 3's is written as a Llama (q / k rows permuted as
+llama.cpp's Llama, which transformers' Llama reading undoes)."""
 _readers_lock = threading.RLock()
 
 

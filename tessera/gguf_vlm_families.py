@@ -230,6 +230,29 @@ def _internvl_processor(mm: Mmproj, config: dict[str, Any]) -> dict[str, Any]:
             "image_seq_length": config["image_seq_length"]}  # fmt: skip
 
 
+def _pixtral_config(mm: Mmproj, text: PretrainedConfig, ids: dict[str, int], lm: dict[str, Any]) -> dict[str, Any]:
+    width, heads = mm.vision("embedding_length"), mm.vision("attention.head_count")
+    vision = {"model_type": "pixtral", "hidden_size": width, "intermediate_size": mm.shape("v.blk.0.ffn_up.weight")[0],
+              "num_hidden_layers": mm.block_count(), "num_attention_heads": heads, "head_dim": width // heads,
+              "image_size": mm.vision("image_size"), "patch_size": mm.vision("patch_size"),
+              "hidden_act": _activation(mm, "gelu"), "num_channels": 3}  # fmt: skip
+    return {"model_type": "mistral3", "text_config": _text_config(text, text.model_type), "vision_config": vision,
+            "spatial_merge_size": int(mm.vision("spatial_merge_size", 1)), "image_token_index": ids["image_token"],
+            "projector_hidden_act": "gelu", "vision_feature_layer": -1,
+            "multimodal_projector_bias": "mm.1.bias" in mm.shapes}  # fmt: skip
+
+
+def _pixtral_processor(mm: Mmproj, config: dict[str, Any]) -> dict[str, Any]:
+    vision = config["vision_config"]
+    patch = vision["patch_size"]
+    image = _processor_component("PixtralImageProcessor", size={"longest_edge": vision["image_size"]},
+                                 patch_size={"height": patch, "width": patch}, image_mean=mm.vision("image_mean"),
+                                 image_std=mm.vision("image_std"))  # fmt: skip
+    return {"processor_class": "PixtralProcessor", "image_processor": image, "patch_size": patch,
+            "spatial_merge_size": config["spatial_merge_size"], "image_token": "[IMG]",
+            "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}  # fmt: skip
+
+
 FAMILIES: dict[str, Family] = {
     "qwen2vl_merger": Family(
         "Qwen2VLForConditionalGeneration", ("qwen2vl",), _QWEN_TOKENS,
@@ -259,6 +282,11 @@ FAMILIES: dict[str, Family] = {
         {"context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>", "end_image_token": "</img>"},
         _internvl_config, _internvl_processor, lambda mm: mm.shape("mm.model.mlp.3.weight")[0],
         {"video_token": "<video>"},
+    ),
+    "pixtral": Family(
+        "Mistral3ForConditionalGeneration", ("mistral3", "llama"),
+        {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"},
+        _pixtral_config, _pixtral_processor, lambda mm: mm.shape("mm.2.weight")[0],
     ),
     "mlp": Family(
         "LlavaForConditionalGeneration", ("llama", "qwen2", "mistral"), {"image_token": "<image>"},

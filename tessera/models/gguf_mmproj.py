@@ -6,6 +6,7 @@ from a safetensors folder) and renamed by its family's table (`RENAMES`). The co
 * Qwen2-VL / 2.5-VL: the Conv3d patch kernel was cut into its two frames (``v.patch_embd.weight`` and
   ``.weight.1``): stacked again on the time axis; the fused ``attn.qkv`` was split into q, k, v: joined.
 * InternVL: the layer scales were written as ``ls1`` / ``ls2`` weights: ``lambda_1`` / ``lambda_2`` again.
+* Pixtral (Mistral 3): the tower's q / k rows were permuted as llama.cpp's Llama's: un-permuted.
 * Gemma 3: the soft-embedding norm was written as ``1 + weight`` (llama.cpp's RMSNorm multiplies by the weight
   itself): 1 is taken off.
 * LLaVA (the older converter): ``mlp.fc1`` was written as ``ffn_down`` and ``fc2`` as ``ffn_up``; the roles
@@ -97,6 +98,19 @@ RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"mm\.model\.mlp\.1\.", "model.multi_modal_projector.linear_1."),
         (r"mm\.model\.mlp\.3\.", "model.multi_modal_projector.linear_2."),
     ],
+    "pixtral": [
+        (r"v\.patch_embd\.", "model.vision_tower.patch_conv."),
+        (r"v\.pre_ln\.", "model.vision_tower.ln_pre."),
+        (_BLOCK + r"attn_(q|k|v)\.", r"model.vision_tower.transformer.layers.\1.attention.\2_proj."),
+        (_BLOCK + r"attn_out\.", r"model.vision_tower.transformer.layers.\1.attention.o_proj."),
+        (_BLOCK + r"ln1\.", r"model.vision_tower.transformer.layers.\1.attention_norm."),
+        (_BLOCK + r"ln2\.", r"model.vision_tower.transformer.layers.\1.ffn_norm."),
+        (_BLOCK + r"ffn_(gate|up|down)\.", r"model.vision_tower.transformer.layers.\1.feed_forward.\2_proj."),
+        (r"mm\.input_norm\.", "model.multi_modal_projector.norm."),
+        (r"mm\.patch_merger\.", "model.multi_modal_projector.patch_merger.merging_layer."),
+        (r"mm\.(1|2)\.", r"model.multi_modal_projector.linear_\1."),
+        (r"v\.token_embd\.img_break", ""),  # the language model's embedding of [IMG_BREAK]: read from there
+    ],
     "mlp": [
         *_prefixed("model.vision_tower.vision_model.", _SIGLIP_TOWER),
         (r"mm\.0\.", "model.multi_modal_projector.linear_1."),
@@ -155,11 +169,15 @@ def iter_mmproj_tensors(
                 f"The mmproj file {path} has a tensor {tensor.name!r} that a {mmproj.projector_type!r} projector "
                 "does not have; the file is of another layout."
             )
+        if not name:
+            continue
         shape = [int(n) for n in reversed(tensor.shape)]
         value = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).reshape(shape)
         value = value.to(dtype) if dtype is not None else value
         if name.endswith("mm_soft_emb_norm.weight"):
             value = value - 1  # llama.cpp multiplies by the weight; Gemma's RMSNorm by 1 + weight
+        if mmproj.projector_type == "pixtral" and re.search(r"attention\.(q|k)_proj\.weight$", name):
+            value = _unpermuted(value, mmproj.vision("attention.head_count"))
         fc = _FC.match(name)
         if fc is not None:  # by shape: fc1 widens (the older LLaVA converter swapped their names)
             width = mmproj.vision("embedding_length")
@@ -175,6 +193,13 @@ def iter_mmproj_tensors(
         width = mmproj.vision("embedding_length")
         yield "model.vision_tower.vision_model.post_layernorm.weight", torch.ones(width, dtype=dtype)
         yield "model.vision_tower.vision_model.post_layernorm.bias", torch.zeros(width, dtype=dtype)
+
+
+def _unpermuted(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Llama q / k row order (`LlamaModel.permute`: each head's rotary halves interleaved), which
+    its converter also applies to Pixtral's tower."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 _JOINS = [  # (HF name pattern: the joined tensor's name is head + tail, part names the piece; pieces in order; join)

@@ -24,6 +24,7 @@ from testkit.gguf_vlm import convert_pairs, prepare_for_conversion
 from testkit.idefics3 import build_tiny_idefics3, build_tiny_smolvlm
 from testkit.internvl import build_tiny_internvl
 from testkit.llava_next import build_tiny_llava_next
+from testkit.mistral3 import build_tiny_mistral3
 from testkit.qwen_vl import build_tiny_qwen2_5_vl, build_tiny_qwen2_vl
 
 BUILDERS = {
@@ -35,6 +36,7 @@ BUILDERS = {
     "llava": build_tiny_llava,
     "llava_next": build_tiny_llava_next,
     "internvl": build_tiny_internvl,
+    "mistral3": build_tiny_mistral3,
 }
 OUTTYPES = {"qwen2_vl": ("f16", "f32", "q8_0")}
 """Every family as F16; one also as F32 and Q8_0 (the reading of each type is shared by all)."""
