@@ -21,6 +21,8 @@ ARCHITECTURE_ALIASES = {"qwen2vl": "qwen2", "mistral3": "llama"}
 transformers converts: Qwen2-VL / Qwen2.5-VL's language model is Qwen2's (plus ``rope.dimension_sections``,
 M-RoPE's sections, which `tessera.gguf_vlm` reads); Mistral 3's is written as a Llama (q / k rows permuted as
 llama.cpp's Llama, which transformers' Llama reading undoes)."""
+NOT_UNDER_ALIAS = ("rope.scaling.yarn_log_multiplier", "attention.temperature_scale")
+"""Settings an aliased file may carry that the architecture it is read as has no place for."""
 _readers_lock = threading.RLock()
 
 
@@ -54,6 +56,12 @@ def _aliased(reader: Any) -> Any:
     alias = ARCHITECTURE_ALIASES.get(original)
     if alias is None:
         return reader
+    beyond = [key for key in NOT_UNDER_ALIAS if f"{original}.{key}" in reader.fields]
+    if beyond:  # e.g. Ministral 3's yarn rope: read as the alias, the model would run without it
+        raise ValueError(
+            f"This {original!r} GGUF file has {', '.join(beyond)}, which its reading as {alias!r} would drop; "
+            "Tessera does not run it."
+        )
     fields = {}
     for name, field in reader.fields.items():
         if name == "general.architecture":
