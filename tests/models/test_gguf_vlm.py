@@ -272,36 +272,59 @@ def test_a_folder_holding_the_model_and_its_mmproj_is_the_pair(pairs, tmp_path):
         LLM(str(folder), device="cpu", kv_cache_memory="8MiB")
 
 
-def test_an_mmproj_with_fused_qkv_is_the_same_model(pairs, tmp_path):
-    """llama.cpp's converter can write a tower's q, k, v as one ``attn_qkv`` tensor (``--fuse-qkv``): the same
-    weights, the same answers."""
+def copy_gguf(source: Path, target: Path, tensors=None, **values) -> Path:
+    """A copy of a float GGUF file with its tensors as `tensors` (name -> array) gives them, and more metadata
+    `values` (float32)."""
     import gguf
 
     from tessera.gguf_reading import gguf_reader
 
-    _, out = pairs["qwen2_vl"]
-    source = gguf_reader(out / "mmproj-f32.gguf")
-    writer = gguf.GGUFWriter(str(tmp_path / "mmproj-fused.gguf"), "clip")
-    for field in source.fields.values():
+    reader = gguf_reader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(target), arch)
+    for field in reader.fields.values():
         if not field.name.startswith(("GGUF.", "general.architecture")):
-            value = field.contents()
-            writer.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1
-                                 else None)  # fmt: skip
-    tensors = {t.name: np.array(t.data) for t in source.tensors}
-    for name in sorted(tensors):
-        if ".attn_q." in name:
-            fused = np.concatenate([tensors[name.replace("attn_q", part)] for part in ("attn_q", "attn_k", "attn_v")])
-            writer.add_tensor(name.replace("attn_q", "attn_qkv"), fused)
-        elif ".attn_k." not in name and ".attn_v." not in name:
-            writer.add_tensor(name, tensors[name])
+            sub_type = field.types[-1] if len(field.types) > 1 else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    for key, value in values.items():
+        writer.add_float32(key, value)
+    for name, data in (tensors or {t.name: np.array(t.data) for t in reader.tensors}).items():
+        writer.add_tensor(name, data)  # float files only: F32 / F16 arrays
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    assert sum(".attn_qkv." in t.name for t in gguf_reader(tmp_path / "mmproj-fused.gguf").tensors) == 2 * 2
-    fused = LLM(str(out / "lm-f32.gguf"), mmproj=str(tmp_path / "mmproj-fused.gguf"), device="cpu",
-                kv_cache_memory="8MiB", mm_processor_kwargs=PROCESSOR_OPTIONS["qwen2_vl"])  # fmt: skip
-    assert answers(fused, [chat()]) == answers(pair_llm(pairs, "qwen2_vl", "f32"), [chat()])
+    return target
+
+
+def test_an_mmproj_with_fused_qkv_is_the_same_model(pairs, tmp_path):
+    """llama.cpp's converter can write a tower's q, k, v as one ``attn_qkv`` tensor (``--fuse-qkv``): the same
+    weights, the same answers."""
+    from tessera.gguf_reading import gguf_reader
+
+    _, out = pairs["qwen2_vl"]
+    tensors = {t.name: np.array(t.data) for t in gguf_reader(out / "mmproj-f32.gguf").tensors}
+    fused = {}
+    for name in sorted(tensors):
+        if ".attn_q." in name:
+            parts = [tensors[name.replace("attn_q", part)] for part in ("attn_q", "attn_k", "attn_v")]
+            fused[name.replace("attn_q", "attn_qkv")] = np.concatenate(parts)
+        elif ".attn_k." not in name and ".attn_v." not in name:
+            fused[name] = tensors[name]
+    mmproj = copy_gguf(out / "mmproj-f32.gguf", tmp_path / "mmproj-fused.gguf", fused)
+    assert sum(".attn_qkv." in t.name for t in gguf_reader(mmproj).tensors) == 2 * 2
+    llm = LLM(str(out / "lm-f32.gguf"), mmproj=str(mmproj), device="cpu", kv_cache_memory="8MiB",
+              mm_processor_kwargs=PROCESSOR_OPTIONS["qwen2_vl"])  # fmt: skip
+    assert answers(llm, [chat()]) == answers(pair_llm(pairs, "qwen2_vl", "f32"), [chat()])
+
+
+def test_a_language_model_read_as_another_architecture_keeps_its_settings_or_is_refused(pairs, tmp_path):
+    """Mistral 3's language model is read as a Llama: a file with settings a Llama has no place for (Ministral 3's
+    yarn multiplier) is refused by name rather than run without them."""
+    _, out = pairs["mistral3"]
+    lm = copy_gguf(out / "lm-f16.gguf", tmp_path / "lm-yarn.gguf", **{"mistral3.rope.scaling.yarn_log_multiplier": 1.0})
+    with pytest.raises(ValueError, match="rope.scaling.yarn_log_multiplier.*would drop"):
+        LLM(str(lm), mmproj=str(out / "mmproj-f16.gguf"), device="cpu", kv_cache_memory="8MiB")
 
 
 def test_a_largest_image_longer_than_the_context_says_how_to_cap_it(pairs):
