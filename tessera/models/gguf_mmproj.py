@@ -70,7 +70,7 @@ def _prefixed(prefix: str, table: list[tuple[str, str]]) -> list[tuple[str, str]
     return [(pattern, prefix + replacement) for pattern, replacement in table]
 
 
-RENAMES: dict[str, list[tuple[str, str]]] = {
+RENAMES: dict[str, list[tuple[str, str]]] = {  # fmt: skip
     "qwen2vl_merger": _prefixed("model.visual.", _qwen_tower(v25=False)),
     "qwen2.5vl_merger": _prefixed("model.visual.", _qwen_tower(v25=True)),
     "gemma3": [
@@ -83,32 +83,38 @@ RENAMES: dict[str, list[tuple[str, str]]] = {
         (r"mm\.model\.fc\.", "model.connector.modality_projection.proj."),
     ],
     "internvl": [
-        (r"v\.class_embd", "model.vision_tower.embeddings.cls_token"),
-        (r"v\.patch_embd\.", "model.vision_tower.embeddings.patch_embeddings.projection."),
-        (r"v\.position_embd\.weight", "model.vision_tower.embeddings.position_embeddings"),
-        (_BLOCK + r"attn_(q|k|v)\.", r"model.vision_tower.encoder.layer.\1.attention.\2_proj."),
-        (_BLOCK + r"attn_(q|k)_norm\.", r"model.vision_tower.encoder.layer.\1.attention.\2_norm."),
-        (_BLOCK + r"attn_out\.", r"model.vision_tower.encoder.layer.\1.attention.projection_layer."),
-        (_BLOCK + r"ls(1|2)\.weight", r"model.vision_tower.encoder.layer.\1.lambda_\2"),
-        (_BLOCK + r"ln1\.", r"model.vision_tower.encoder.layer.\1.layernorm_before."),
-        (_BLOCK + r"ln2\.", r"model.vision_tower.encoder.layer.\1.layernorm_after."),
-        (_BLOCK + r"ffn_up\.", r"model.vision_tower.encoder.layer.\1.mlp.fc1."),
-        (_BLOCK + r"ffn_down\.", r"model.vision_tower.encoder.layer.\1.mlp.fc2."),
-        (r"mm\.model\.mlp\.0\.", "model.multi_modal_projector.layer_norm."),
-        (r"mm\.model\.mlp\.1\.", "model.multi_modal_projector.linear_1."),
-        (r"mm\.model\.mlp\.3\.", "model.multi_modal_projector.linear_2."),
+        *_prefixed("model.vision_tower.", [
+            (r"v\.class_embd", "embeddings.cls_token"),
+            (r"v\.patch_embd\.", "embeddings.patch_embeddings.projection."),
+            (r"v\.position_embd\.weight", "embeddings.position_embeddings"),
+            (_BLOCK + r"attn_(q|k|v)\.", r"encoder.layer.\1.attention.\2_proj."),
+            (_BLOCK + r"attn_(q|k)_norm\.", r"encoder.layer.\1.attention.\2_norm."),
+            (_BLOCK + r"attn_out\.", r"encoder.layer.\1.attention.projection_layer."),
+            (_BLOCK + r"ls(1|2)\.weight", r"encoder.layer.\1.lambda_\2"),
+            (_BLOCK + r"ln1\.", r"encoder.layer.\1.layernorm_before."),
+            (_BLOCK + r"ln2\.", r"encoder.layer.\1.layernorm_after."),
+            (_BLOCK + r"ffn_up\.", r"encoder.layer.\1.mlp.fc1."),
+            (_BLOCK + r"ffn_down\.", r"encoder.layer.\1.mlp.fc2."),
+        ]),
+        *_prefixed("model.multi_modal_projector.", [
+            (r"mm\.model\.mlp\.0\.", "layer_norm."), (r"mm\.model\.mlp\.1\.", "linear_1."),
+            (r"mm\.model\.mlp\.3\.", "linear_2."),
+        ]),
     ],
     "pixtral": [
-        (r"v\.patch_embd\.", "model.vision_tower.patch_conv."),
-        (r"v\.pre_ln\.", "model.vision_tower.ln_pre."),
-        (_BLOCK + r"attn_(q|k|v)\.", r"model.vision_tower.transformer.layers.\1.attention.\2_proj."),
-        (_BLOCK + r"attn_out\.", r"model.vision_tower.transformer.layers.\1.attention.o_proj."),
-        (_BLOCK + r"ln1\.", r"model.vision_tower.transformer.layers.\1.attention_norm."),
-        (_BLOCK + r"ln2\.", r"model.vision_tower.transformer.layers.\1.ffn_norm."),
-        (_BLOCK + r"ffn_(gate|up|down)\.", r"model.vision_tower.transformer.layers.\1.feed_forward.\2_proj."),
-        (r"mm\.input_norm\.", "model.multi_modal_projector.norm."),
-        (r"mm\.patch_merger\.", "model.multi_modal_projector.patch_merger.merging_layer."),
-        (r"mm\.(1|2)\.", r"model.multi_modal_projector.linear_\1."),
+        *_prefixed("model.vision_tower.", [
+            (r"v\.patch_embd\.", "patch_conv."),
+            (r"v\.pre_ln\.", "ln_pre."),
+            (_BLOCK + r"attn_(q|k|v)\.", r"transformer.layers.\1.attention.\2_proj."),
+            (_BLOCK + r"attn_out\.", r"transformer.layers.\1.attention.o_proj."),
+            (_BLOCK + r"ln1\.", r"transformer.layers.\1.attention_norm."),
+            (_BLOCK + r"ln2\.", r"transformer.layers.\1.ffn_norm."),
+            (_BLOCK + r"ffn_(gate|up|down)\.", r"transformer.layers.\1.feed_forward.\2_proj."),
+        ]),
+        *_prefixed("model.multi_modal_projector.", [
+            (r"mm\.input_norm\.", "norm."), (r"mm\.patch_merger\.", "patch_merger.merging_layer."),
+            (r"mm\.(1|2)\.", r"linear_\1."),
+        ]),
         (r"v\.token_embd\.img_break", ""),  # the language model's embedding of [IMG_BREAK]: read from there
     ],
     "mlp": [
