@@ -120,7 +120,13 @@ def processor_folder(config: PretrainedConfig, lm_path: Union[str, Path], mmproj
     folder = cache / "gguf-vlm" / key.hexdigest()[:16]
     if (folder / "config.json").is_file():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable home (a container's read-only one): this user's folder in the temporary directory
+        folder = Path(tempfile.gettempdir()) / f"tessera-{os.getuid()}" / "gguf-vlm" / folder.name
+        if (folder / "config.json").is_file():
+            return folder
+        folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".writing-", dir=folder.parent))
     load_gguf_tokenizer(lm_path, **named_tokens(lm_path, mmproj_path)).save_pretrained(staging)  # loaded, then ours
     for name, text in files.items():
