@@ -54,7 +54,7 @@ from typing import Any, Optional, Union
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
-from .gguf_reading import gguf_reader, transformers_reading
+from .gguf_reading import gguf_reader, metadata_values, transformers_reading
 from .special_tokens import special_tokens_added
 
 logger = logging.getLogger(__name__)
@@ -169,12 +169,6 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
         return None if value is None else bool(value)
 
     tokens = fields.get("tokenizer.ggml.tokens")
-    values = {}
-    for name, field in fields.items():
-        if name.startswith("GGUF.") or (name.startswith("tokenizer.ggml.") and len(field.data) > 1):
-            continue
-        value = field.contents()
-        values[name] = value.tolist() if hasattr(value, "tolist") else value
     vocabulary = tuple(bytes(tokens.parts[i]).decode("utf-8", "replace") for i in tokens.data) if tokens else ()
     return GGUFMetadata(
         architecture=scalar("general.architecture") or "",
@@ -191,7 +185,7 @@ def _read_metadata(path: str, size: int, mtime_ns: int) -> GGUFMetadata:
         chat_template=scalar("tokenizer.chat_template"),
         tensor_names=tuple(tensor.name for tensor in reader.tensors),
         weight_types=_weight_types(reader),
-        values=values,
+        values=metadata_values(reader),
         tokens=vocabulary,
     )
 

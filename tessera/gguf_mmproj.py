@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from .gguf_reading import gguf_reader
+from .gguf_reading import gguf_reader, metadata_values
 
 LEGACY_LLAVA_PROJECTOR = "mlp"
 """The projector type of the older LLaVA files, which name none (``clip.has_llava_projector``)."""
@@ -85,11 +85,7 @@ def read_mmproj(path: Union[str, Path], supported: tuple[str, ...]) -> Mmproj:
 @functools.lru_cache(maxsize=8)
 def _read_mmproj(path: Path, size: int, mtime_ns: int, supported: tuple[str, ...]) -> Mmproj:
     reader = gguf_reader(path)
-    values = {}
-    for name, field in reader.fields.items():
-        if not name.startswith("GGUF."):
-            value = field.contents()
-            values[name] = value.tolist() if hasattr(value, "tolist") else value
+    values = metadata_values(reader)
     architecture = values.get("general.architecture")
     if architecture != "clip":
         raise ValueError(

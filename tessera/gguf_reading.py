@@ -103,6 +103,18 @@ def gguf_reader(path: Union[str, Path]) -> Any:
     return reader
 
 
+def metadata_values(reader: Any) -> dict[str, Any]:
+    """Every metadata value of a parsed file but the vocabulary arrays (``tokenizer.ggml.*`` lists): strings,
+    numbers, booleans, and lists of them."""
+    values = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or (name.startswith("tokenizer.ggml.") and len(field.data) > 1):
+            continue
+        value = field.contents()
+        values[name] = value.tolist() if hasattr(value, "tolist") else value
+    return values
+
+
 def release_gguf_readers() -> None:
     """Drop the kept parse (`gguf_reader`): called once a model's weights are loaded."""
     with _readers_lock:

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 
 from ..config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, engine_configs
 from ..errors import InputError
+from ..gguf_reading import release_gguf_readers
 from ..models.factory import BuiltProcessor, build_processor
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -65,6 +66,8 @@ class LLMEngine:
         self.input_preprocessor = _input_preprocessor(model_config, inputs, core.info.limits)
         self.transcriber = Transcriber(self.input_preprocessor, inputs.model_cls)
         self.output_processor = OutputProcessor(self.tokenizer)
+        release_gguf_readers()  # a GGUF file's parse, kept for its config, tokenizer and weights (also when a core
+        # in another process loaded the weights)
 
     @classmethod
     def from_options(cls, model: str, **options: Any) -> "LLMEngine":

@@ -4,6 +4,7 @@ float16 values), Q8_0 within a stated logit bound; and the pairs that are wrong,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -92,14 +93,8 @@ def test_the_f16_pair_answers_as_the_hf_folder(pairs, kind):
     chats = [chat(), chat("Describe it.", seed=1)]
     expected = answers(LLM(str(folder), device="cpu", kv_cache_memory="8MiB"), chats)
     llm = pair_llm(pairs, kind)
-    assert llm.engine.model_config.architectures == LLM_ARCHITECTURE(folder)
+    assert llm.engine.model_config.architectures == json.loads((folder / "config.json").read_text())["architectures"]
     assert answers(llm, chats) == expected
-
-
-def LLM_ARCHITECTURE(folder):  # noqa: N802
-    import json
-
-    return json.loads((folder / "config.json").read_text())["architectures"]
 
 
 def first_logprobs(llm: LLM, vocab: int) -> torch.Tensor:
@@ -348,3 +343,11 @@ def test_two_ranks_run_the_pair_as_one(pairs):
         finally:
             llm.shutdown()
     assert tokens[2] == tokens[1]
+
+
+def test_every_mapped_projector_has_a_config_and_a_tensor_map():
+    """A projector type the pair's config accepts must have its tensor names mapped, and the other way round."""
+    from tessera.gguf_vlm_families import FAMILIES
+    from tessera.models.gguf_mmproj import RENAMES
+
+    assert set(FAMILIES) == set(RENAMES)
