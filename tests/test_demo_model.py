@@ -25,6 +25,7 @@ from tessera.entrypoints.cli import main as cli_main  # noqa: E402
 from tessera.models.demo_vlm import SHIPPED_VISION_DIR, demo_model_folder, find_smollm2_gguf  # noqa: E402
 from tools import demo_vlm_data  # noqa: E402
 from tools.demo_vlm_chat_data import HELD_OUT_QUESTIONS, KNOWLEDGE_QUESTIONS  # noqa: E402
+from tools.demo_vlm_questions import describe  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 THREE_SHAPES = REPO / "examples" / "three_shapes.png"
@@ -36,7 +37,7 @@ def example_caption(name: str) -> str:
     "large": its half-size exceeds the bounding radius of the largest "small" shape the generator draws."""
     shapes = make_example_images.SCENES[name]
     assert all(s["half"] > demo_vlm_data.SIZES["small"][1] for s in shapes)
-    return demo_vlm_data.describe([{**s, "size": "large"} for s in shapes])
+    return describe([{**s, "size": "large"} for s in shapes])
 
 
 @pytest.fixture(scope="module")

@@ -16,20 +16,26 @@ columns, so the projector's output is the embedding of the slot's token, which i
 from __future__ import annotations
 
 import functools
+import json
 import random
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from tools import demo_vlm_data as data
 from tools import demo_vlm_slots as slots
+from tools.demo_vlm_pictures import make_picture
 from tools.demo_vlm_targets import PatchHeads, patch_targets
 
 PROJECTOR_ACT = "sigmoid"
 AUX_LAYER = 3  # the per-patch heads read this layer's output: the layers above gather slots from it
 UNUSED_BIAS = -30.0  # linear_1's rows past the vocabulary: sigmoid(-30) ~ 1e-13, nothing reaches linear_2
+NEW_WORD_BIAS = -8.0  # a slot word new to a continued encoder starts as "never": sigmoid(-8) ~ 3e-4
 
 
 @functools.cache
@@ -90,18 +96,60 @@ def scene_batch(scenes: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.T
 class SceneBatches(torch.utils.data.IterableDataset):
     """Endless training batches of ``scene_batch``, each worker drawing from its own seeded generator (the
     stream depends on the seed and the number of workers only; a data loader interleaves the workers in
-    turn)."""
+    turn): `picture_share` of them pictures with no shapes (all slots fillers), `text_share` of the scenes with
+    a text."""
 
-    def __init__(self, seed: int, batch: int, text_share: float) -> None:
-        self.seed, self.batch, self.text_share = seed, batch, text_share
+    def __init__(self, seed: int, batch: int, text_share: float, picture_share: float = 0.0) -> None:
+        self.seed, self.batch, self.text_share, self.picture_share = seed, batch, text_share, picture_share
+
+    def _scene(self, rng: random.Random) -> dict:
+        if rng.random() < self.picture_share:
+            return make_picture(rng, "train")
+        return data.make_scene(rng, "train", text=True if rng.random() < self.text_share else None)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         rng = random.Random(self.seed * 1000 + (info.id if info else 0))
         while True:
-            scenes = [data.make_scene(rng, "train", text=True if rng.random() < self.text_share else None)
-                      for _ in range(self.batch)]  # fmt: skip
-            yield scene_batch(scenes)
+            yield scene_batch([self._scene(rng) for _ in range(self.batch)])
+
+
+def save_encoder(encoder: SlotEncoder, path: Path) -> None:
+    """A checkpoint that ``load_encoder`` continues from, with the slot vocabulary it was trained on."""
+    state = {k: v.cpu() for k, v in encoder.state_dict().items()}
+    save_file(state, path, metadata={"slot_vocab": json.dumps(slots.VOCAB)})
+
+
+@torch.no_grad()
+def load_encoder(encoder: SlotEncoder, path: Path) -> None:
+    """Continue from an earlier encoder: a checkpoint of ``save_encoder``, or a shipped vision side (a folder with
+    vision.safetensors and a training.json naming its ``slot_vocab`` and ``sharpen``; its per-patch heads were
+    not shipped). The classifier's rows follow their slot words, so a vocabulary that gained words (a colour, a
+    position) keeps what was learnt: a new word starts at ``NEW_WORD_BIAS``. Heads whose size changed start
+    fresh."""
+    path = Path(path)
+    if path.is_dir():
+        record = json.loads((path / "training.json").read_text())
+        vocab, sharpen = record["slot_vocab"], record["sharpen"]
+        shipped = load_file(path / "vision.safetensors")
+        tower = {k.removeprefix("vision_tower."): v for k, v in shipped.items() if k.startswith("vision_tower.")}
+        state = {f"tower.{k}": v.float() for k, v in tower.items()}
+        state["classifier.weight"] = shipped["multi_modal_projector.linear_1.weight"][: len(vocab)].float() / sharpen
+        state["classifier.bias"] = shipped["multi_modal_projector.linear_1.bias"][: len(vocab)].float() / sharpen
+    else:
+        with safe_open(path, "pt") as f:
+            vocab = json.loads((f.metadata() or {}).get("slot_vocab", json.dumps(slots.VOCAB)))
+        state = load_file(path)
+    weight, bias = state.pop("classifier.weight"), state.pop("classifier.bias")
+    own = encoder.state_dict()
+    kept = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    encoder.load_state_dict(kept, strict=False)
+    encoder.classifier.weight.zero_()
+    encoder.classifier.bias.fill_(NEW_WORD_BIAS)
+    for row, word in enumerate(slots.VOCAB):
+        if word in vocab:
+            encoder.classifier.weight[row] = weight[vocab.index(word)]
+            encoder.classifier.bias[row] = bias[vocab.index(word)]
 
 
 def slot_errors(logits: torch.Tensor, scenes: list[dict]) -> tuple[float, float]:

@@ -2,7 +2,8 @@
 
 ``TEMPLATES[kind]`` holds at least 8 phrasings per kind, with the fields the question generator fills in
 (``{obj}``/``{Obj}``: an object's unique description; ``{things}``: what to count; ``{a}``, ``{rel}``, ``{b}``: a
-relation; ``{thing}``: "word" or "number"). ``HELD_OUT[kind]`` (about a quarter, at least 2, for ``relation``
+relation; ``{thing}``: "word" or "number"; the user kinds' fields are in ``tools/demo_vlm_user_kinds``), then
+a group per form of the kinds that have several. ``HELD_OUT[kind]`` (about a quarter, at least 2, for ``relation``
 both a yes/no one and a which one) never occur in the ``"train"`` split and are the only phrasings of the
 ``"eval"`` split, so the evaluation asks in words the model never saw.
 """
@@ -39,6 +40,7 @@ TEMPLATES = {
         "Answer yes or no: is {a} {rel} {b}?", "Would you say {a} is {rel} {b}?", "Does {a} appear {rel} {b}?",
         "Which shape is {rel} {b}?", "What shape is found {rel} {b}?", "Which object is {rel} {b}?",
         "Name the shape {rel} {b}.", "Which shape lies {rel} {b}?", "Tell me which shape is {rel} {b}.",
+        "What is {rel} {b}?", "What is drawn {rel} {b}?",
     ],
     "reading": [
         "What {thing} is written in the image?", "What {thing} is shown?", "Read the {thing} in the picture.",
@@ -54,6 +56,48 @@ TEMPLATES = {
         "List what you see, left to right.", "Caption this image.",
         "Name everything in the picture from left to right.",
     ],
+    # the kinds of tools/demo_vlm_user_kinds.py; a kind with several forms has a group per form
+    "existence": [
+        "Is there {a_thing}?", "Is there {a_thing} in the image?", "Can you see {a_thing}?", "Do you see {a_thing}?",
+        "Does the image contain {a_thing}?", "Is there {a_thing} in the picture?", "Does the picture have {a_thing}?",
+        "Can you find {a_thing} in the image?", "Are there any {things}?", "Are there any {things} in the image?",
+        "Do you see any {things}?", "Can you see any {things}?", "Does the image have any {things}?",
+        "Are there {things} in the picture?",
+    ],
+    "absent": [
+        "Which of these colours is not in the image: {options}?", "Which colour is missing: {options}?",
+        "Which of {options} does not appear in the image?", "Of {options}, which colour is absent?",
+        "Which colour can't you see: {options}?", "Which of the colours {options} is not present?",
+        "Which colour is not present: {options}?", "Which of these colors is not in the picture: {options}?",
+        "Which color is missing from the image: {options}?", "Of the colours {options}, which one is not there?",
+    ],
+    "middle_colour": [
+        "What colour is {mid}?", "What is the colour of {mid}?", "Which colour is {mid}?", "What color is {mid}?",
+        "Tell me the colour of {mid}.", "What color does {mid} have?", "Name the colour of {mid}.",
+        "In what colour is {mid} drawn?",
+    ],
+    "middle_shape": [
+        "What shape is {mid}?", "What is the shape of {mid}?", "Which shape is {mid}?", "Name the shape of {mid}.",
+        "What kind of shape is {mid}?", "Tell me the shape of {mid}.", "What is {mid} shaped like?",
+        "What form does {mid} take?",
+    ],
+    "middle_name": [
+        "What is in the middle?", "What is in the centre of the image?", "Which shape is in the center?",
+        "What is in the middle of the picture?", "Which object is in the centre?", "What is drawn in the middle?",
+        "What do you see in the center of the image?", "Which shape sits in the middle?",
+    ],
+    "middle_ref": [
+        "the shape in the middle", "the shape in the centre", "the shape in the center", "the object in the middle",
+        "the one in the middle", "the shape at the centre", "the object in the centre", "the thing in the middle",
+    ],
+    "greeting": [
+        "Hello", "Hello!", "Hi", "Hi!", "Hey", "Hey!", "Hello there", "Good morning!", "Good evening",
+        "Hi, how are you?", "Hey there!", "Greetings!", "Hello, how are you?", "Hi there!", "Good afternoon!",
+        "Howdy!",
+    ],
+    "compound_2": ["{q1}, and {q2}?", "{q1}? {q2}?", "{q1}? Also, {q2}?", "{q1}? And {q2}?", "{q1}, and also {q2}?"],
+    "compound_3": ["{q1}, {q2}, and {q3}?", "{q1}? {q2}? {q3}?", "{q1}? Also, {q2}? And {q3}?",
+                   "{q1}, {q2} and {q3}?"],
 }  # fmt: skip
 HELD_OUT = {
     "colour": ["Identify the colour of {obj}.", "In what colour is {obj} drawn?", "What colour has {obj} got?"],
@@ -67,6 +111,17 @@ HELD_OUT = {
                 "What is the written {thing}?", "Which {thing} is printed in the image?"],
     "describe": ["Caption this image.", "Name everything in the picture from left to right.",
                  "List what you see, left to right."],
+    "existence": ["Do you see {a_thing}?", "Is there {a_thing} in the picture?", "Do you see any {things}?",
+                  "Are there {things} in the picture?"],
+    "absent": ["Which colour is not present: {options}?", "Which of these colors is not in the picture: {options}?",
+               "Of the colours {options}, which one is not there?"],
+    "middle_colour": ["Name the colour of {mid}.", "In what colour is {mid} drawn?"],
+    "middle_shape": ["What is {mid} shaped like?", "What form does {mid} take?"],
+    "middle_name": ["What do you see in the center of the image?", "Which shape sits in the middle?"],
+    "middle_ref": ["the object in the centre", "the thing in the middle"],
+    "greeting": ["Hello, how are you?", "Hi there!", "Good afternoon!", "Howdy!"],
+    "compound_2": ["{q1}, and also {q2}?"],
+    "compound_3": ["{q1}, {q2} and {q3}?"],
 }  # fmt: skip
 
 

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from tessera.models.demo_vlm import IMAGE_TOKEN_ID
 from tools import demo_vlm_data as data
 from tools import demo_vlm_slots as slots
+from tools.demo_vlm_datasets import questions
+from tools.demo_vlm_pictures import make_picture
 
 
 def answer_labels(ids: torch.Tensor, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,18 +105,25 @@ def reader_loss(model, batch: dict[str, torch.Tensor], noise: float = 0.0) -> to
     return (losses * weights).sum() / weights.sum()
 
 
-KIND_WEIGHTS = {"relation": 3.0, "count": 2.0}  # the rest 1: the reader learns the one-attribute kinds first
+KIND_WEIGHTS = {"relation": 3.0, "count": 2.0, "compound": 2.0}  # the rest 1
+PICTURE_SHARE = 0.08  # conversations about a picture with no shapes
 
 
-def sample_conversation(rng: random.Random, turns: int, chats: list[tuple[str, str]], chat_share: float,
-                        kind_weights: dict[str, float] = KIND_WEIGHTS):  # fmt: skip
-    """A training scene and up to `turns` distinct questions about it, each turn's kind drawn by `kind_weights`
-    (default ``KIND_WEIGHTS``) among the kinds with questions left (per kind, not per question: a scene allows
-    many more relation and count questions than the others); in `chat_share` of them a last, text-only turn
-    from `chats` (prompt, SmolLM2's answer)."""
-    scene = data.make_scene(rng, "train")
+def sample_conversation(
+    rng: random.Random,
+    turns: int,
+    chats: list[tuple[str, str]],
+    chat_share: float,
+    kind_weights: dict[str, float] = KIND_WEIGHTS,
+    picture_share: float = PICTURE_SHARE,
+):
+    """A training scene (in `picture_share` of them a picture with no shapes) and up to `turns` distinct
+    questions about it, each turn's kind drawn by `kind_weights` (default ``KIND_WEIGHTS``) among the kinds with
+    questions left (per kind, not per question: a scene allows many more relation and count questions than the
+    others); in `chat_share` of them a last, text-only turn from `chats` (prompt, SmolLM2's answer)."""
+    scene = make_picture(rng, "train") if rng.random() < picture_share else data.make_scene(rng, "train")
     by_kind: dict[str, list] = defaultdict(list)
-    for qa in data.questions(scene, rng, "train"):
+    for qa in questions(scene, rng, "train"):
         by_kind[qa[0]].append(qa)
     qas = []
     while len(qas) < turns and by_kind:
@@ -128,6 +137,11 @@ def sample_conversation(rng: random.Random, turns: int, chats: list[tuple[str, s
     return scene, qas
 
 
+def normalise(answer: str) -> str:
+    """An answer as exact matching compares it: stripped, lower-case, without a final full stop."""
+    return answer.strip().lower().rstrip(".")
+
+
 @torch.no_grad()
 def evaluate_reader(model, tokenizer, eval_scenes, limit: int | None = None) -> dict[str, tuple[int, int]]:
     """Exact-match answers (greedy, one turn) per kind from the scenes' true slots: the reader's ceiling."""
@@ -135,9 +149,10 @@ def evaluate_reader(model, tokenizer, eval_scenes, limit: int | None = None) -> 
     for scene, kind, question, answer in eval_scenes[:limit]:
         ids, _ = chat_ids(tokenizer, [(kind, question, "")], slots.slot_ids(scene, tokenizer), generation=True)
         inputs = torch.tensor([ids], device=model.device)
+        longest = 40 if kind in ("describe", "compound", "greeting", "no shapes") else 8
         out = model.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
-                             max_new_tokens=40 if kind == "describe" else 8)  # fmt: skip
+                             max_new_tokens=longest)  # fmt: skip
         text = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
-        scores[kind][0] += text.strip().lower().rstrip(".") == answer
+        scores[kind][0] += normalise(text) == normalise(answer)
         scores[kind][1] += 1
     return {kind: (hit, n) for kind, (hit, n) in scores.items()}

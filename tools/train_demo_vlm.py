@@ -58,6 +58,7 @@ from torch.utils.data import DataLoader
 
 from tools import demo_vlm_chat_data as chat_data
 from tools import demo_vlm_data as data
+from tools import demo_vlm_datasets as datasets
 from tools import demo_vlm_slots as slots
 from tools.demo_vlm_encoder import (
     PROJECTOR_ACT,
@@ -65,6 +66,8 @@ from tools.demo_vlm_encoder import (
     SlotEncoder,
     export_projector,
     field_errors,
+    load_encoder,
+    save_encoder,
     slot_errors,
     to_pixels,
 )
@@ -77,6 +80,7 @@ from tools.demo_vlm_lora import (
     text_agreement,
     text_batch,
 )
+from tools.demo_vlm_pictures import make_picture
 from tools.demo_vlm_reader import (
     KIND_WEIGHTS,
     collate,
@@ -143,7 +147,7 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
         load_lora_state(wrapped, load_file(args.init_lora))
     params = [p for layer in wrapped.values() for p in (layer.lora_A, layer.lora_B)]
     optimizer = torch.optim.AdamW(params, lr=args.reader_lr, weight_decay=0.0)
-    eval_scenes = data.make_eval_scenes(10, seed=args.seed + 1000)
+    eval_scenes = datasets.make_eval_scenes(10, seed=args.seed + 1000)
     for step in range(args.reader_steps):
         items = [reader_conversation(tokenizer, *sample_conversation(rng, args.turns, chats, args.chat_share,
                                                                      args.kind_weights))
@@ -169,17 +173,18 @@ def train_encoder(args, log, checkpoint: Path) -> SlotEncoder:
     """Stage 2: the ViT that writes a scene's slot tokens into its image positions (saved to `checkpoint` at
     every evaluation)."""
     encoder = SlotEncoder.from_config(VISION)
-    if args.init_encoder:  # a second phase: continue from an earlier run's encoder
-        encoder.load_state_dict(load_file(args.init_encoder))
+    if args.init_encoder:  # a second phase: continue from an earlier run's encoder, or the shipped one
+        load_encoder(encoder, args.init_encoder)
     encoder = encoder.to(args.device)
     optimizer = torch.optim.AdamW(encoder.parameters(), lr=args.encoder_lr, weight_decay=0.01)
     eval_rng = random.Random(args.seed + 2000)
     eval_scenes = [data.make_scene(eval_rng, "eval") for _ in range(200)]
+    eval_scenes += [make_picture(eval_rng, "eval") for _ in range(round(200 * args.encoder_picture_share))]
     eval_pixels = torch.stack([to_pixels(data.render(s)) for s in eval_scenes]).to(args.device)
     dtype = low_precision(args.device)
     autocast = torch.autocast(torch.device(args.device).type, dtype=dtype, enabled=dtype == torch.bfloat16)
-    batches = DataLoader(SceneBatches(args.seed + 1, args.encoder_batch, args.encoder_text_share), batch_size=None,
-                         num_workers=args.workers, pin_memory=args.device != "cpu")  # fmt: skip
+    scenes = SceneBatches(args.seed + 1, args.encoder_batch, args.encoder_text_share, args.encoder_picture_share)
+    batches = DataLoader(scenes, batch_size=None, num_workers=args.workers, pin_memory=args.device != "cpu")
     for step, batch in zip(range(args.encoder_steps), batches):
         pixels, target, patch_target = (t.to(args.device, non_blocking=True) for t in batch)
         with autocast:
@@ -197,7 +202,7 @@ def train_encoder(args, log, checkpoint: Path) -> SlotEncoder:
             encoder.train()
             log(f"encoder held-out layouts: {slot_wrong:.2%} of slots wrong, {scene_wrong:.1%} of scenes; by field: "
                 + ", ".join(f"{name} {share:.1%}" for name, share in fields.items()))  # fmt: skip
-            save_file({k: v.cpu() for k, v in encoder.state_dict().items()}, checkpoint)
+            save_encoder(encoder, checkpoint)
     return encoder.eval()
 
 
@@ -223,8 +228,9 @@ def kind_weights(text: str) -> dict[str, float]:
     weights = {}
     for part in filter(None, text.split(",")):
         kind, _, weight = part.partition("=")
-        if kind.strip() not in data.KINDS:
-            raise argparse.ArgumentTypeError(f"unknown question kind {kind.strip()!r}; kinds: {', '.join(data.KINDS)}")
+        if kind.strip() not in datasets.KINDS:
+            known = ", ".join(datasets.KINDS)
+            raise argparse.ArgumentTypeError(f"unknown question kind {kind.strip()!r}; kinds: {known}")
         weights[kind.strip()] = float(weight)
     return weights
 
@@ -276,13 +282,23 @@ def main() -> None:
     parser.add_argument("--slot-noise", type=float, default=0.1, help="reader: noise on the slot embeddings")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--init-lora", type=Path, help="reader: start from this saved LoRA (a second phase)")
-    parser.add_argument("--init-encoder", type=Path, help="encoder: start from this saved encoder (a second phase)")
+    parser.add_argument(
+        "--init-encoder",
+        type=Path,
+        help="encoder: start from this saved encoder or shipped vision side (a second phase)",
+    )
     parser.add_argument("--reader-lr", type=float, default=1.5e-3)
     parser.add_argument("--encoder-batch", type=int, default=64)
     parser.add_argument("--encoder-lr", type=float, default=1e-3)
     parser.add_argument("--encoder-text-share", type=float, default=0.5,
                         help="encoder: scenes drawn with a text (the rest as the data's own mix: ~35%% have one); "
                              "reading is the slowest thing the tower learns")  # fmt: skip
+    parser.add_argument(
+        "--encoder-picture-share",
+        type=float,
+        default=0.15,
+        help="encoder: pictures with no shapes (photographs, noise, drawings), all slots fillers",
+    )
     parser.add_argument("--sharpen", type=float, default=4.0, help="export: the classifier's logit scale")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=400, help="reader: steps between evaluations")
@@ -314,10 +330,11 @@ def main() -> None:
         log(f"stage {args.stage} done; the other stage's output is not in {args.work} yet")
         return
     encoder = SlotEncoder.from_config(VISION)
-    encoder.load_state_dict(load_file(encoder_file))
+    load_encoder(encoder, encoder_file)
     embeddings = model.model.get_input_embeddings().weight[list(slots.vocab_ids(tokenizer))].float().cpu()
     save_shipped(encoder.eval(), embeddings, load_file(lora_file), args.out, args.sharpen)
-    (args.out / "training.json").write_text(json.dumps(stage_records(args.work), indent=2))
+    records = stage_records(args.work) | {"slot_vocab": list(slots.VOCAB), "sharpen": args.sharpen}
+    (args.out / "training.json").write_text(json.dumps(records, indent=2))
     log(f"done; vision side and LoRA written to {args.out}")
 
 

@@ -38,7 +38,7 @@ def test_the_exported_projector_outputs_the_embedding_of_the_predicted_slot_toke
         classifier.bias.fill_(-5.0)
     embeddings = torch.randn(vocab, width)
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=vocab, num_attention_heads=6),
+        vision_config=CLIPVisionConfig(hidden_size=vocab, num_attention_heads=1),
         text_config=LlamaConfig(hidden_size=width, num_attention_heads=4), projector_hidden_act=PROJECTOR_ACT,
     )  # fmt: skip
     projector = LlavaMultiModalProjector(config)

@@ -10,6 +10,9 @@ from tools.demo_vlm_phrasings import HELD_OUT, TEMPLATES, split_templates
 @pytest.mark.parametrize("kind", sorted(TEMPLATES))
 def test_each_kind_holds_out_about_a_quarter_of_its_phrasings(kind):
     templates, held = TEMPLATES[kind], HELD_OUT[kind]
+    if kind.startswith("compound_"):  # the ways of joining questions: few, one held out
+        assert len(set(templates)) == len(templates) >= 4 and len(held) == 1 and set(held) <= set(templates)
+        return
     assert len(set(templates)) == len(templates) >= 8
     assert set(held) <= set(templates) and 2 <= len(held) <= 0.35 * len(templates)
 

@@ -12,6 +12,7 @@ import torch
 from tools import demo_vlm_data as data
 from tools import demo_vlm_reader as reader
 from tools import demo_vlm_slots as slots
+from tools.demo_vlm_datasets import KINDS
 
 
 def test_a_conversation_asks_distinct_questions_relations_and_counts_most():
@@ -28,7 +29,7 @@ def test_a_conversation_asks_distinct_questions_relations_and_counts_most():
         kinds_asked += kinds
         assert data.layout_split(scene) == "train"
     assert 0 < ends_in_chat < 60
-    share = {kind: kinds_asked.count(kind) for kind in data.KINDS}
+    share = {kind: kinds_asked.count(kind) for kind in KINDS}
     assert share["relation"] > share["colour"] and share["count"] > share["colour"]
 
 
