@@ -83,6 +83,93 @@ def test_shapes_drawn_by_hand_big_and_in_the_middle(demo_llm):
     assert answers == [expected for _, _, expected in cases]
 
 
+def _ask(llm, cases) -> list[str]:
+    """Each (image, question, ...) as a one-turn chat, greedy: the answers, lower-case, without a final stop."""
+    chats = [[{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": q}]}]
+             for image, q, *_ in cases]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    return [o.outputs[0].text.strip().lower().rstrip(".") for o in llm.chat(chats, params, use_tqdm=False)]
+
+
+def test_the_questions_users_asked_about_their_own_drawings(demo_llm):
+    """Issue 44's scenes, drawn with plain PIL in PIL's named colours, asked in the words users typed. Expected
+    answers follow from the drawings."""
+    from PIL import Image, ImageDraw
+
+    corners = Image.new("RGB", (256, 256), "white")  # four shapes in the corners, a purple square in the middle
+    draw = ImageDraw.Draw(corners)
+    draw.ellipse((20, 20, 80, 80), fill="red")
+    draw.polygon([(206, 18), (238, 78), (174, 78)], fill="green")
+    draw.rectangle((176, 176, 236, 236), fill="blue")
+    draw.ellipse((20, 176, 80, 236), fill="orange")
+    draw.rectangle((100, 100, 156, 156), fill="purple")
+    stacked = Image.new("RGB", (256, 256), "white")  # an orange circle above a blue square
+    draw = ImageDraw.Draw(stacked)
+    draw.ellipse((98, 30, 158, 90), fill="orange")
+    draw.rectangle((98, 160, 158, 220), fill="blue")
+    three = Image.open(THREE_SHAPES).convert("RGB")
+    circle = next(s["colour"] for s in make_example_images.SCENES["three_shapes.png"] if s["shape"] == "circle")
+    cases = [
+        (corners, "What colour is the shape in the middle?", "purple"),
+        (corners, "What is in the middle?", "the purple square"),
+        (stacked, "Where is the orange circle?", "top"),
+        (stacked, "What is above the square?", "the orange circle"),
+        (stacked, "Is there a blue square?", "yes"),
+        (stacked, "Is there a red square?", "no"),
+        (stacked, "Which of these colours is not in the image: orange, blue or green?", "green"),
+        (three, "How many shapes are there, and what colour is the circle?", f"three; {circle}"),
+    ]
+    assert _ask(demo_llm, cases) == [expected for _, _, expected in cases]
+
+
+def test_every_colour_it_names_in_pils_named_colours_and_synonyms(demo_llm):
+    """A square in each of PIL's named colours that the model names (grey spelt "gray" too), asked its colour,
+    and asked about by a synonym."""
+    from PIL import Image, ImageDraw
+
+    def square(fill: str) -> Image.Image:
+        image = Image.new("RGB", (200, 200), "white")
+        ImageDraw.Draw(image).rectangle((50, 50, 150, 150), fill=fill)
+        return image
+
+    names = {
+        "red": "red",
+        "green": "green",
+        "blue": "blue",
+        "yellow": "yellow",
+        "purple": "purple",
+        "orange": "orange",
+        "black": "black",
+        "pink": "pink",
+        "brown": "brown",
+        "gray": "grey",
+        "grey": "grey",
+    }
+    cases = [(square(fill), "What colour is the square?", colour) for fill, colour in names.items()]
+    cases += [(square("purple"), "Is there a violet square?", "yes"), (square("gray"), "Is the square gray?", "yes"),
+              (square("grey"), "How many gray shapes are there?", "one"),
+              (square("orange"), "Is there a violet square?", "no")]  # fmt: skip
+    assert _ask(demo_llm, cases) == [expected for _, _, expected in cases]
+
+
+def test_a_greeting_gets_a_greeting_and_a_photograph_no_made_up_shapes(demo_llm):
+    """A "Hello" with an image is answered as a greeting, not a caption; a picture that is not a shapes scene (here a
+    photograph-like sky over a field, drawn with numpy, and random noise) gets no invented caption."""
+    import numpy as np
+    from PIL import Image
+
+    rows = np.linspace(0, 1, 256)[:, None, None]
+    sky = (1 - rows) * np.array([90, 150, 230]) + rows * np.array([200, 225, 250])
+    field = np.array([60, 130, 40]) + np.random.default_rng(0).normal(0, 18, (256, 256, 3))
+    photo = np.where(np.arange(256)[:, None, None] < 150, sky, field)
+    photo = Image.fromarray(np.clip(photo, 0, 255).astype(np.uint8))
+    noise = Image.fromarray(np.random.default_rng(1).integers(0, 256, (200, 200, 3), dtype=np.uint8))
+    three = Image.open(THREE_SHAPES).convert("RGB")
+    answers = _ask(demo_llm, [(three, "Hello"), (photo, "Describe the image."), (noise, "What shapes do you see?")])
+    assert answers[0].startswith("hello") and not any(c.isdigit() for c in answers[0]), answers[0]
+    assert all("no simple shapes" in a for a in answers[1:]), answers
+
+
 def test_text_only_answers_are_not_worse_than_smollm2s(demo_llm):
     """The LoRA changes SmolLM2's weights, so its greedy text can differ; what it knows must not get worse:
     general-knowledge questions never in training, scored by the words a right answer contains."""

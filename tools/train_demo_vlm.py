@@ -39,6 +39,20 @@ shipped side once the work folder holds both stages' outputs; ``--stage export``
         --device cpu --reader-steps 100 --batch 8 --text-batch 12 --distill-weight 8 --reader-lr 3e-4 \\
         --kind-weights relation=8,count=2,describe=2 --eval-every 50
 
+Round 5 (issue 44: the middle, new colours and shades, pictures with no shapes, the kinds users asked) continued
+from the shipped side on 2 CPU cores, the two stages side by side at one thread each (OMP_NUM_THREADS=1); the
+encoder starts from the shipped vision side, its classifier rows matched by slot word:
+
+    K=relation=4,count=2,compound=3,existence=2,absent=1.5,middle=4,synonym=1.5,greeting=0.5,describe=1.5,reading=1.5
+    python -m tools.train_demo_vlm --stage encoder --init-encoder tessera/demo_vlm --seed 5 --device cpu \
+        --encoder-steps 2500 --encoder-lr 5e-4 --encoder-eval-every 500
+    python -m tools.train_demo_vlm --stage reader --init-lora tessera/demo_vlm/lora.safetensors --seed 6 \
+        --device cpu --reader-steps 160 --batch 8 --text-batch 12 --distill-weight 8 --reader-lr 6e-4 \
+        --eval-every 80 --kind-weights $K
+    then (from each one's output): encoder --seed 8 --encoder-steps 800 --encoder-lr 2e-4; reader --seed 7
+    --reader-steps 60 --reader-lr 4e-4 --picture-share 0.15 and reader --seed 9 --reader-steps 40 --reader-lr 3e-4
+    --picture-share 0.15, with compound, middle and "no shapes" weighed up (training.json has each phase's settings)
+
 Usage: python -m tools.train_demo_vlm [--out tessera/demo_vlm] [--stage all|encoder|reader|export] [--seed 0]
 """
 
@@ -83,6 +97,7 @@ from tools.demo_vlm_lora import (
 from tools.demo_vlm_pictures import make_picture
 from tools.demo_vlm_reader import (
     KIND_WEIGHTS,
+    PICTURE_SHARE,
     collate,
     evaluate_reader,
     reader_conversation,
@@ -150,7 +165,7 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
     eval_scenes = datasets.make_eval_scenes(10, seed=args.seed + 1000)
     for step in range(args.reader_steps):
         items = [reader_conversation(tokenizer, *sample_conversation(rng, args.turns, chats, args.chat_share,
-                                                                     args.kind_weights))
+                                                                     args.kind_weights, args.picture_share))
                  for _ in range(args.batch)]  # fmt: skip
         loss = reader_loss(model, collate(items, tokenizer.pad_token_id), noise=args.slot_noise)
         picks = rng.sample(range(len(prompts)), args.text_batch)
@@ -277,6 +292,8 @@ def main() -> None:
         help="reader: how often each question kind is drawn, e.g. relation=3,count=2 (the rest 1)",
     )
     parser.add_argument("--chat-share", type=float, default=0.3, help="reader: conversations ending in a chat")
+    parser.add_argument("--picture-share", type=float, default=PICTURE_SHARE,
+                        help="reader: conversations about a picture with no shapes")
     parser.add_argument("--text-batch", type=int, default=4, help="reader: text-only chats per step (distillation)")
     parser.add_argument("--distill-weight", type=float, default=2.0)
     parser.add_argument("--slot-noise", type=float, default=0.1, help="reader: noise on the slot embeddings")
