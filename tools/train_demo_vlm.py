@@ -292,8 +292,12 @@ def main() -> None:
         help="reader: how often each question kind is drawn, e.g. relation=3,count=2 (the rest 1)",
     )
     parser.add_argument("--chat-share", type=float, default=0.3, help="reader: conversations ending in a chat")
-    parser.add_argument("--picture-share", type=float, default=PICTURE_SHARE,
-                        help="reader: conversations about a picture with no shapes")
+    parser.add_argument(
+        "--picture-share",
+        type=float,
+        default=PICTURE_SHARE,
+        help="reader: conversations about a picture with no shapes",
+    )
     parser.add_argument("--text-batch", type=int, default=4, help="reader: text-only chats per step (distillation)")
     parser.add_argument("--distill-weight", type=float, default=2.0)
     parser.add_argument("--slot-noise", type=float, default=0.1, help="reader: noise on the slot embeddings")
