@@ -9,6 +9,7 @@ import multiprocessing.connection
 import signal
 import sys
 import threading
+import time
 import traceback
 from typing import Any, Optional
 
@@ -63,8 +64,14 @@ class MultiprocWorkers(WorkerGroup):
         return dead
 
     def _wait_for_death(self, timeout: Optional[float]) -> list[str]:
-        multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout)
-        return self._dead_workers()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = multiprocessing.connection.wait([p.sentinel for p in self.processes], left)
+            dead = self._dead_workers()
+            if dead or not ready or (deadline is not None and time.monotonic() >= deadline):
+                return dead
+            time.sleep(0.01)  # a dying process's sentinel closes a moment before its exit status can be read
 
     def _stop(self) -> None:
         for process in self.processes:
