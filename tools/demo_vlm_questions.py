@@ -57,7 +57,7 @@ from tools.demo_vlm_phrasings import split_templates
 BASE_KINDS = ("colour", "shape", "count", "position", "relation", "reading", "describe")
 
 
-def _article(word: str) -> str:
+def article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
@@ -101,11 +101,11 @@ def describe(objects: list[dict]) -> str:
         if "text" in o:
             parts.append(f"the {o['text_kind']} {o['text']}")
         else:
-            parts.append(f"{_article(o['size'])} {o['size']} {o['colour']} {o['shape']}")
+            parts.append(f"{article(o['size'])} {o['size']} {o['colour']} {o['shape']}")
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
-def _fill(template: str, **values: str) -> str:
+def fill_template(template: str, **values: str) -> str:
     if "{Obj}" in template:
         values["Obj"] = values["obj"][0].upper() + values["obj"][1:]
     return template.format(**values)
@@ -121,7 +121,7 @@ def base_questions(scene: dict, rng: random.Random, split: str = "train") -> lis
     out: list[tuple[str, str, str]] = []
 
     def ask(kind: str, answer: str, templates: list[str] | None = None, **values: str) -> None:
-        out.append((kind, _fill(rng.choice(templates or tpl[kind]), **values), answer))
+        out.append((kind, fill_template(rng.choice(templates or tpl[kind]), **values), answer))
 
     for s in shapes:
         if refs := references(s, shapes, without="colour"):

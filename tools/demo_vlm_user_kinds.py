@@ -25,7 +25,7 @@ from collections import Counter
 
 from tools.demo_vlm_data import COLOURS, NUMBER_WORDS, SHAPES, SIZES, position_of
 from tools.demo_vlm_phrasings import TEMPLATES, split_templates
-from tools.demo_vlm_questions import _article, _fill, answer_name, references
+from tools.demo_vlm_questions import answer_name, article, fill_template, references
 
 USER_KINDS = ("existence", "absent", "middle", "synonym", "compound", "greeting", "no shapes")
 GREETING = "Hello! Ask me about the shapes in this image: their colours, places, or a word written in it."
@@ -39,7 +39,7 @@ def _thing(attrs: dict, plural: bool) -> str:
     """'a red circle' / 'red circles', 'a star' / 'stars', 'a red shape' / 'red shapes'."""
     words = [attrs[k] for k in ("size", "colour") if k in attrs] + [attrs.get("shape", "shape")]
     phrase = " ".join(words)
-    return phrase + "s" if plural else f"{_article(phrase)} {phrase}"
+    return phrase + "s" if plural else f"{article(phrase)} {phrase}"
 
 
 def existence(shapes: list[dict], rng: random.Random, tpl: dict, names: dict | None = None) -> list[tuple[str, str]]:
@@ -88,12 +88,12 @@ def middle(objects: list[dict], shapes: list[dict], rng: random.Random, tpl: dic
     if len(centred) != 1 or "shape" not in (s := centred[0]) or position_of(s["cx"], s["cy"]) != "middle":
         return []
     ref = rng.choice(tpl["middle_ref"])
-    out = [(_fill(rng.choice(tpl["middle_colour"]), mid=ref), s["colour"]),
-           (_fill(rng.choice(tpl["middle_shape"]), mid=ref), s["shape"])]  # fmt: skip
+    out = [(fill_template(rng.choice(tpl["middle_colour"]), mid=ref), s["colour"]),
+           (fill_template(rng.choice(tpl["middle_shape"]), mid=ref), s["shape"])]  # fmt: skip
     if (name := answer_name(s, shapes)) is not None:
         out.append((rng.choice(tpl["middle_name"]), name))
     if refs := references(s, shapes):
-        out.append((_fill(rng.choice(tpl["position"]), obj=rng.choice(refs)), "middle"))
+        out.append((fill_template(rng.choice(tpl["position"]), obj=rng.choice(refs)), "middle"))
     return out
 
 
@@ -110,7 +110,7 @@ def synonym(shapes: list[dict], base: list, rng: random.Random, tpl: dict) -> li
         refs = [r for r in references(s, shapes, without="shape") if s["colour"] in r and s["colour"] in SYNONYMS]
         if refs:
             ref = rng.choice(refs).replace(s["colour"], renamed[s["colour"]])
-            out.append((_fill(rng.choice(tpl["shape"]), obj=ref), s["shape"]))
+            out.append((fill_template(rng.choice(tpl["shape"]), obj=ref), s["shape"]))
     out += [(q.replace("colour", "color"), a) for kind, q, a in base if kind == "colour" and "colour" in q]
     return rng.sample(out, min(3, len(out)))
 
