@@ -22,6 +22,8 @@ TEMPLATES = {
         "Name the shape of {obj}.", "{Obj} has what shape?", "What kind of shape is {obj}?",
         "Tell me the shape of {obj}.", "What shape does {obj} have?", "Which shape does {obj} have?",
         "Identify the shape of {obj}.", "What is {obj} shaped like?", "What form does {obj} take?",
+        "{Obj} is shaped like what?", "What shape would you say {obj} is?", "What geometric shape is {obj}?",
+        "What is the form of {obj}?", "Which form does {obj} have?",
     ],
     "count": [
         "How many {things} are there?", "How many {things} can you see?", "Count the {things}.",
@@ -79,12 +81,15 @@ TEMPLATES = {
     "middle_shape": [
         "What shape is {mid}?", "What is the shape of {mid}?", "Which shape is {mid}?", "Name the shape of {mid}.",
         "What kind of shape is {mid}?", "Tell me the shape of {mid}.", "What is {mid} shaped like?",
-        "What form does {mid} take?",
+        "What form does {mid} take?", "What shape would you say {mid} is?", "What geometric shape is {mid}?",
+        "What is the form of {mid}?",
     ],
     "middle_name": [
         "What is in the middle?", "What is in the centre of the image?", "Which shape is in the center?",
         "What is in the middle of the picture?", "Which object is in the centre?", "What is drawn in the middle?",
         "What do you see in the center of the image?", "Which shape sits in the middle?",
+        "Which shape is at the centre?", "Which shape lies in the middle?", "Which object sits in the center?",
+        "Which shape is in the middle of the picture?", "Which shape can you see in the centre?",
     ],
     "middle_ref": [
         "the shape in the middle", "the shape in the centre", "the shape in the center", "the object in the middle",
@@ -93,7 +98,8 @@ TEMPLATES = {
     "greeting": [
         "Hello", "Hello!", "Hi", "Hi!", "Hey", "Hey!", "Hello there", "Good morning!", "Good evening",
         "Hi, how are you?", "Hey there!", "Greetings!", "Hello, how are you?", "Hi there!", "Good afternoon!",
-        "Howdy!",
+        "Howdy!", "Hiya!", "Good day!", "Morning!", "Yo!", "Hey, how's it going?", "Hello, nice to meet you!",
+        "Hi, what's up?", "Heya", "Hi friend!",
     ],
     "compound_2": ["{q1}, and {q2}?", "{q1}? {q2}?", "{q1}? Also, {q2}?", "{q1}? And {q2}?", "{q1}, and also {q2}?"],
     "compound_3": ["{q1}, {q2}, and {q3}?", "{q1}? {q2}? {q3}?", "{q1}? Also, {q2}? And {q3}?",
