@@ -3,10 +3,15 @@
 ``add_lora`` wraps every linear layer of the decoder in a ``LoRALinear`` (B starts at zero: training starts
 from SmolLM2 exactly); ``lora_state`` is the shipped form that ``tessera.models.demo_vlm.merge_lora`` merges.
 ``base_answers`` are SmolLM2's own greedy answers (LoRA off); ``distillation_loss`` is the KL of the LoRA'd
-model to SmolLM2 along them, and ``text_agreement`` counts the answers that stayed the same.
+model to SmolLM2 along them, and ``text_agreement`` counts the answers that stayed the same. ``blend_lora_states``
+mixes two shipped LoRAs' updates (``python -m tools.demo_vlm_lora blend A B --weight W --out F``): a phase that
+read better but forgot some of SmolLM2's text, blended with the one before it.
 """
 
 from __future__ import annotations
+
+import argparse
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -125,3 +130,39 @@ def text_agreement(model, tokenizer, prompts: list[str], expected: list[list[int
     """How many of the prompts get SmolLM2's own greedy answer (`expected`, as many tokens) from the model."""
     got = base_answers(model, tokenizer, prompts, max(len(e) for e in expected))
     return sum(g[: len(e)] == e for g, e in zip(got, expected))
+
+
+@torch.no_grad()
+def blend_lora_states(first: dict, second: dict, weight: float, rank: int | None = None) -> dict[str, torch.Tensor]:
+    """The shipped LoRA whose updates are weight * first's + (1 - weight) * second's (B @ A, per layer), factored
+    again at `rank` (default: first's) by a truncated SVD, B and A sharing the singular values' square roots."""
+    out = {}
+    for key in first:
+        if not key.endswith(".lora_A"):
+            continue
+        name = key.removesuffix(".lora_A")
+        r = rank or first[key].shape[0]
+        update = weight * first[f"{name}.lora_B"].float() @ first[key].float()
+        update += (1 - weight) * second[f"{name}.lora_B"].float() @ second[key].float()
+        u, s, vh = torch.linalg.svd(update, full_matrices=False)
+        out[f"{name}.lora_B"] = (u[:, :r] * s[:r].sqrt()).contiguous()
+        out[f"{name}.lora_A"] = (s[:r].sqrt()[:, None] * vh[:r]).contiguous()
+    return out
+
+
+def main() -> None:
+    from safetensors.torch import load_file, save_file
+
+    parser = argparse.ArgumentParser(description="Blend two shipped demo-VLM LoRAs (lora.safetensors files).")
+    parser.add_argument("command", choices=("blend",))
+    parser.add_argument("first", type=Path)
+    parser.add_argument("second", type=Path)
+    parser.add_argument("--weight", type=float, required=True, help="the first one's share of the update")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    state = blend_lora_states(load_file(args.first), load_file(args.second), args.weight)
+    save_file({k: v.half() for k, v in state.items()}, args.out, metadata={"format": "pt"})
+
+
+if __name__ == "__main__":
+    main()

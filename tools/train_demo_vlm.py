@@ -53,6 +53,16 @@ encoder starts from the shipped vision side, its classifier rows matched by slot
     --reader-steps 60 --reader-lr 4e-4 --picture-share 0.15 and reader --seed 9 --reader-steps 40 --reader-lr 3e-4
     --picture-share 0.15, with compound, middle and "no shapes" weighed up (training.json has each phase's settings)
 
+then a fourth reader phase, at two threads once the encoder was done, on more training phrasings:
+
+    K=relation=4,count=1.5,compound=6,existence=2,absent=0.5,middle=4,describe=2,shape=2,"no shapes"=3  # the rest 1
+    OMP_NUM_THREADS=2 python -m tools.train_demo_vlm --stage reader --init-lora tessera/demo_vlm/lora.safetensors \
+        --seed 11 --device cpu --reader-steps 420 --batch 8 --text-batch 12 --distill-weight 8 --reader-lr 4e-4 \
+        --eval-every 140 --picture-share 0.15 --kind-weights "$K"
+
+It read better but answered one knowledge question fewer than SmolLM2, so what ships is its update blended half and
+half with the LoRA before it (``python -m tools.demo_vlm_lora blend NEW OLD --weight 0.5 --out ...``).
+
 Usage: python -m tools.train_demo_vlm [--out tessera/demo_vlm] [--stage all|encoder|reader|export] [--seed 0]
 """
 

@@ -88,3 +88,25 @@ def test_the_distillation_loss_is_zero_until_the_lora_moves():
     assert loss.item() > 1e-3
     loss.backward()
     assert all(layer.lora_B.grad is not None for layer in wrapped.values())
+
+
+def _state(generator: torch.Generator, rank: int) -> dict[str, torch.Tensor]:
+    name = "language_model.model.layers.0.mlp.up_proj"
+    return {f"{name}.lora_A": torch.randn(rank, 12, generator=generator),
+            f"{name}.lora_B": torch.randn(20, rank, generator=generator)}  # fmt: skip
+
+
+def _update(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    ((a_key, a),) = [(k, v) for k, v in state.items() if k.endswith(".lora_A")]
+    return state[a_key.removesuffix(".lora_A") + ".lora_B"] @ a
+
+
+def test_a_blend_mixes_the_updates_and_keeps_the_rank():
+    g = torch.Generator().manual_seed(0)
+    first, second = _state(g, 2), _state(g, 2)
+    blended = lora.blend_lora_states(first, second, 0.25, rank=4)  # two rank-2 updates: exact at rank 4
+    assert torch.allclose(_update(blended), 0.25 * _update(first) + 0.75 * _update(second), atol=1e-5)
+    assert lora.blend_lora_states(first, first, 0.5, rank=2).keys() == first.keys()
+    same = lora.blend_lora_states(first, second, 1.0)  # all of the first, at its own rank
+    assert same[next(k for k in same if k.endswith("lora_A"))].shape == (2, 12)
+    assert torch.allclose(_update(same), _update(first), atol=1e-5)
