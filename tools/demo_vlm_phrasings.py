@@ -23,7 +23,7 @@ TEMPLATES = {
         "Tell me the shape of {obj}.", "What shape does {obj} have?", "Which shape does {obj} have?",
         "Identify the shape of {obj}.", "What is {obj} shaped like?", "What form does {obj} take?",
         "{Obj} is shaped like what?", "What shape would you say {obj} is?", "What geometric shape is {obj}?",
-        "What is the form of {obj}?", "Which form does {obj} have?",
+        "What is the form of {obj}?", "Which form does {obj} have?", "What would you say {obj} is shaped like?",
     ],
     "count": [
         "How many {things} are there?", "How many {things} can you see?", "Count the {things}.",
@@ -56,7 +56,8 @@ TEMPLATES = {
         "What do you see?", "Describe the picture from left to right.", "What objects are shown, from left to right?",
         "Give a short description of the image.", "What does the image contain?", "Describe what is shown.",
         "List what you see, left to right.", "Caption this image.",
-        "Name everything in the picture from left to right.",
+        "Name everything in the picture from left to right.", "Write a caption for the picture.",
+        "Give this picture a short caption.",
     ],
     # the kinds of tools/demo_vlm_user_kinds.py; a kind with several forms has a group per form
     "existence": [
@@ -82,7 +83,7 @@ TEMPLATES = {
         "What shape is {mid}?", "What is the shape of {mid}?", "Which shape is {mid}?", "Name the shape of {mid}.",
         "What kind of shape is {mid}?", "Tell me the shape of {mid}.", "What is {mid} shaped like?",
         "What form does {mid} take?", "What shape would you say {mid} is?", "What geometric shape is {mid}?",
-        "What is the form of {mid}?",
+        "What is the form of {mid}?", "What would you say {mid} is shaped like?", "Which shape would you say {mid} is?",
     ],
     "middle_name": [
         "What is in the middle?", "What is in the centre of the image?", "Which shape is in the center?",
@@ -90,6 +91,7 @@ TEMPLATES = {
         "What do you see in the center of the image?", "Which shape sits in the middle?",
         "Which shape is at the centre?", "Which shape lies in the middle?", "Which object sits in the center?",
         "Which shape is in the middle of the picture?", "Which shape can you see in the centre?",
+        "Which object is placed in the middle?", "Which shape is placed at the center?",
     ],
     "middle_ref": [
         "the shape in the middle", "the shape in the centre", "the shape in the center", "the object in the middle",

@@ -173,7 +173,8 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
     params = [p for layer in wrapped.values() for p in (layer.lora_A, layer.lora_B)]
     optimizer = torch.optim.AdamW(params, lr=args.reader_lr, weight_decay=0.0)
     eval_scenes = datasets.make_eval_scenes(10, seed=args.seed + 1000)
-    for step in range(args.reader_steps):
+    step, started = 0, time.perf_counter()
+    while step < args.reader_steps:
         items = [reader_conversation(tokenizer, *sample_conversation(rng, args.turns, chats, args.chat_share,
                                                                      args.kind_weights, args.picture_share))
                  for _ in range(args.batch)]  # fmt: skip
@@ -183,6 +184,10 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
         distill = distillation_loss(model, texts)
         lr = schedule(step, args.reader_steps, args.reader_lr, warmup=30)
         _step(optimizer, params, loss + args.distill_weight * distill, lr)
+        if args.reader_minutes and step == 19:  # a time budget: fit the step count (and the schedule) to it
+            per_step = (time.perf_counter() - started) / 20
+            args.reader_steps = max(20, min(args.reader_steps, int(args.reader_minutes * 60 / per_step)))
+            log(f"reader: {per_step:.2f} s per step, {args.reader_steps} steps in {args.reader_minutes} min")
         if step % 25 == 0:
             log(f"reader step {step}/{args.reader_steps}: answer loss {loss.item():.3f}, text KL {distill.item():.4f}")
         if (step + 1) % args.eval_every == 0 or step == args.reader_steps - 1:
@@ -190,7 +195,9 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
             same = text_agreement(model, tokenizer, held_out, held_out_answers)
             log("reader held-out (true slots): " + ", ".join(f"{k} {h}/{n}" for k, (h, n) in sorted(scores.items()))
                 + f"; text answers kept {same}/{len(held_out)}")  # fmt: skip
-            save_file({k: v.contiguous() for k, v in lora_state(wrapped).items()}, checkpoint)
+            # float16, as shipped: a GPU machine hands back files of at most 16 MB (float32 is 20 MB)
+            save_file({k: v.half().contiguous() for k, v in lora_state(wrapped).items()}, checkpoint)
+        step += 1
     return wrapped
 
 
@@ -292,6 +299,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="encoder: scene-drawing processes (default: 0 on a CPU, up to 10 on a GPU)")  # fmt: skip
     parser.add_argument("--reader-steps", type=int, default=1200)
+    parser.add_argument("--reader-minutes", type=float, default=None,
+                        help="reader: a time budget; the step count (at most --reader-steps) is fitted to it "
+                             "after 20 steps, the learning-rate schedule with it")  # fmt: skip
     parser.add_argument("--encoder-steps", type=int, default=12000)
     parser.add_argument("--batch", type=int, default=16, help="reader: conversations per step")
     parser.add_argument("--turns", type=int, default=6, help="reader: question/answer turns per conversation")
