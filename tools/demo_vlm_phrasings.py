@@ -24,6 +24,7 @@ TEMPLATES = {
         "Identify the shape of {obj}.", "What is {obj} shaped like?", "What form does {obj} take?",
         "{Obj} is shaped like what?", "What shape would you say {obj} is?", "What geometric shape is {obj}?",
         "What is the form of {obj}?", "Which form does {obj} have?", "What would you say {obj} is shaped like?",
+        "What is {obj}'s shape?", "What is {obj}, shape-wise?",
     ],
     "count": [
         "How many {things} are there?", "How many {things} can you see?", "Count the {things}.",
@@ -84,6 +85,7 @@ TEMPLATES = {
         "What kind of shape is {mid}?", "Tell me the shape of {mid}.", "What is {mid} shaped like?",
         "What form does {mid} take?", "What shape would you say {mid} is?", "What geometric shape is {mid}?",
         "What is the form of {mid}?", "What would you say {mid} is shaped like?", "Which shape would you say {mid} is?",
+        "What is {mid}'s shape?", "What sort of shape is {mid}?", "What is {mid}, shape-wise?",
     ],
     "middle_name": [
         "What is in the middle?", "What is in the centre of the image?", "Which shape is in the center?",
