@@ -63,6 +63,17 @@ then a fourth reader phase, at two threads once the encoder was done, on more tr
 It read better but answered one knowledge question fewer than SmolLM2, so what ships is its update blended half and
 half with the LoRA before it (``python -m tools.demo_vlm_lora blend NEW OLD --weight 0.5 --out ...``).
 
+Round 6 ran the reader at GPU scale on one H200: two branches from that blend, side by side, each on a time budget,
+then a second phase of each from its own output, and what ships is the two branches' average:
+
+    K=relation=4,count=1.5,compound=6,existence=2,absent=0.5,middle=4,describe=2,shape=2,"no shapes"=3  # branch A
+    python -m tools.train_demo_vlm --stage reader --init-lora tessera/demo_vlm/lora.safetensors --seed 21 \
+        --reader-minutes 5 --batch 16 --text-batch 16 --distill-weight 8 --reader-lr 4e-4 --picture-share 0.15 \
+        --kind-weights "$K"       # then from its output: --seed 121 --reader-minutes 2.4 --reader-lr 2.5e-4
+    # branch C: relation=5, compound=8, middle=6, describe=3, --seed 23 (then 123), --distill-weight 12,
+    # --reader-lr 5e-4 (then 3e-4)
+    python -m tools.demo_vlm_lora blend A2 C2 --weight 0.5 --out tessera/demo_vlm/lora.safetensors
+
 Usage: python -m tools.train_demo_vlm [--out tessera/demo_vlm] [--stage all|encoder|reader|export] [--seed 0]
 """
 

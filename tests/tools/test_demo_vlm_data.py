@@ -379,8 +379,10 @@ def _draw_text_alone(text: str, t: dict, size: int) -> np.ndarray:
 def test_reading_answer_is_the_drawn_text():
     rng = random.Random(3)
     candidates = list(d.WORDS) + [str(i) for i in range(100)]
-    seen_kinds = set()  # words and numbers
-    for _ in range(6):
+    seen_kinds = set()  # words and numbers: at least 6 scenes, until both were drawn
+    for i in range(40):
+        if i >= 6 and seen_kinds == {True, False}:
+            break
         scene = d.make_scene(rng, text=True)
         (t,) = [o for o in scene["objects"] if "text" in o]
         (answer,) = [a for k, _, a in base_questions(scene, rng) if k == "reading"]
