@@ -139,6 +139,11 @@ def schedule(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
+def steps_in_budget(seconds_per_step: float, minutes: float, most: int, done: int) -> int:
+    """How many steps fit in `minutes` at `seconds_per_step`: at most `most`, at least the `done` ones."""
+    return max(done, min(most, int(minutes * 60 / seconds_per_step)))
+
+
 def _step(optimizer, params, loss: torch.Tensor, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -197,7 +202,7 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
         _step(optimizer, params, loss + args.distill_weight * distill, lr)
         if args.reader_minutes and step == 19:  # a time budget: fit the step count (and the schedule) to it
             per_step = (time.perf_counter() - started) / 20
-            args.reader_steps = max(20, min(args.reader_steps, int(args.reader_minutes * 60 / per_step)))
+            args.reader_steps = steps_in_budget(per_step, args.reader_minutes, args.reader_steps, done=20)
             log(f"reader: {per_step:.2f} s per step, {args.reader_steps} steps in {args.reader_minutes} min")
         if step % 25 == 0:
             log(f"reader step {step}/{args.reader_steps}: answer loss {loss.item():.3f}, text KL {distill.item():.4f}")

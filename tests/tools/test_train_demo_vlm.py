@@ -21,6 +21,12 @@ def test_the_schedule_warms_up_then_decays_to_zero():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.0, abs=1e-3)
 
 
+def test_a_time_budget_fits_the_reader_steps_between_those_done_and_the_most():
+    assert train.steps_in_budget(0.5, minutes=1.0, most=1000, done=20) == 120  # 60 s / 0.5 s
+    assert train.steps_in_budget(0.5, minutes=1.0, most=50, done=20) == 50
+    assert train.steps_in_budget(10.0, minutes=1.0, most=1000, done=20) == 20  # only 6 fit: keep those done
+
+
 def test_the_shipped_side_is_the_tower_the_exported_projector_and_the_lora(tmp_path):
     torch.manual_seed(0)
     vision = dict(image_size=128, patch_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
