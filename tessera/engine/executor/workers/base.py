@@ -27,6 +27,7 @@ from .worker import joined_key
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = float(os.environ.get("TESSERA_WORKER_START_TIMEOUT", "300"))
+MONITOR_JOIN_S = 5.0  # how long shutdown waits for the death monitor to see the stopped workers
 
 
 class WorkerGroup:
@@ -53,7 +54,8 @@ class WorkerGroup:
             torch.set_num_threads(self.num_threads)
         self.group: TensorParallelGroup = init_tensor_parallel_group(store, 0, self.world_size, backend=self.backend)
         self._store = store
-        threading.Thread(target=self._monitor, name="tessera-worker-monitor", daemon=True).start()
+        self._monitor_thread = threading.Thread(target=self._monitor, name="tessera-worker-monitor", daemon=True)
+        self._monitor_thread.start()
         logger.info("Joined a tensor-parallel group of %d ranks (%s workers, %s)",
                     self.world_size, self.backend_name, self.backend)  # fmt: skip
 
@@ -86,6 +88,12 @@ class WorkerGroup:
             return
         self._stopping = True
         self._stop()
+        # The monitor wakes once the workers are gone; wait for it here, so that it never drops the last reference
+        # to this executor (and its process group) while the interpreter exits: the group's C++ destructor would
+        # then abort the process.
+        monitor = getattr(self, "_monitor_thread", None)
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(timeout=MONITOR_JOIN_S)
         if self.num_threads and hasattr(self, "_threads_before"):  # rank 0's share back to the whole process
             torch.set_num_threads(self._threads_before)
 
