@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -47,15 +48,22 @@ def llava_prompts():
     ]
 
 
+def worker_monitors() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "tessera-worker-monitor" and t.is_alive()}
+
+
 def compare(folder, prompts, **options):
     """Generate with one rank and with two; the same tokens and logits (within 1e-4) at every step."""
     results = {}
     for size in (1, 2):
+        monitors = worker_monitors()
         llm = LLM(str(folder), dtype="float32", tensor_parallel_size=size, **options)
         try:
             results[size] = generate_recording(llm, prompts, GREEDY) + (llm.engine.core.scheduler.num_preemptions,)
         finally:
             llm.shutdown()
+        # shutdown waits for the death monitor: left running, it could free the process group at interpreter exit
+        assert worker_monitors() <= monitors
     (tokens_1, logits_1, preempted_1), (tokens_2, logits_2, preempted_2) = results[1], results[2]
     assert tokens_2 == tokens_1
     assert_same_logits(logits_1, logits_2)
