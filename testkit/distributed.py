@@ -5,7 +5,6 @@ logits an engine samples from, to compare a tensor-parallel engine with a single
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,15 +26,6 @@ def thread_groups(world_size: int) -> list[TensorParallelGroup]:
             for rank, store in enumerate(stores)
         ]
         return [f.result() for f in futures]
-
-
-def release_groups(groups: list[TensorParallelGroup]) -> None:
-    """Drop `groups` (from `thread_groups`) and free their gloo process groups now, on this thread. Left to the
-    garbage collector, the last one may be freed at interpreter exit on another Python thread, whose C++ destructor
-    then meets the exiting interpreter's thread teardown and aborts the process (std::terminate) after every
-    test passed."""
-    groups.clear()
-    gc.collect()
 
 
 def run_on_ranks(groups: list[TensorParallelGroup], fn: Callable[[TensorParallelGroup], Any]) -> list[Any]:

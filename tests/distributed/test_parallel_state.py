@@ -7,14 +7,12 @@ import torch
 
 from tessera.distributed import divide, get_tp_group, tensor_parallel_group
 from tessera.distributed.parallel_state import SINGLE_RANK
-from testkit.distributed import release_groups, run_on_ranks, thread_groups
+from testkit.distributed import run_on_ranks, thread_groups
 
 
 @pytest.fixture(scope="module")
 def groups():
-    groups = thread_groups(2)
-    yield groups
-    release_groups(groups)
+    return thread_groups(2)
 
 
 def test_all_reduce_sums_every_rank_in_place(groups):

@@ -9,14 +9,12 @@ import torch
 
 from tessera.distributed import tensor_parallel_group
 from tessera.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from testkit.distributed import release_groups, run_on_ranks, thread_groups
+from testkit.distributed import run_on_ranks, thread_groups
 
 
 @pytest.fixture(scope="module")
 def groups():
-    groups = thread_groups(2)
-    yield groups
-    release_groups(groups)
+    return thread_groups(2)
 
 
 def build(groups, make, full_params: dict[str, torch.Tensor]):

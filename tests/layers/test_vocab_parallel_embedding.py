@@ -9,16 +9,14 @@ import torch.nn.functional as F
 
 from tessera.distributed import tensor_parallel_group
 from tessera.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from testkit.distributed import release_groups, run_on_ranks, thread_groups
+from testkit.distributed import run_on_ranks, thread_groups
 
 VOCAB, DIM = 11, 4
 
 
 @pytest.fixture(scope="module")
 def groups():
-    groups = thread_groups(2)
-    yield groups
-    release_groups(groups)
+    return thread_groups(2)
 
 
 def sharded(groups, cls, weight):
