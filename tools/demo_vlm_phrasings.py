@@ -86,6 +86,7 @@ TEMPLATES = {
         "What form does {mid} take?", "What shape would you say {mid} is?", "What geometric shape is {mid}?",
         "What is the form of {mid}?", "What would you say {mid} is shaped like?", "Which shape would you say {mid} is?",
         "What is {mid}'s shape?", "What sort of shape is {mid}?", "What is {mid}, shape-wise?",
+        "What is {mid} like in shape?", "What shape does {mid} have?",
     ],
     "middle_name": [
         "What is in the middle?", "What is in the centre of the image?", "Which shape is in the center?",

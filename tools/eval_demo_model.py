@@ -10,12 +10,15 @@ token for token. Text-only, the ten ``tools/demo_vlm_chat_data.HELD_OUT_QUESTION
 (never in training) are answered by the demo model and by SmolLM2-135M-Instruct alone (its GGUF): how many answers
 stayed exactly SmolLM2's, and how many knowledge questions each gets right (the LoRA must not make that worse).
 
+``--blame`` says for each miss which stage caused it (``tools.demo_vlm_blame``): the reader, when it answers
+wrongly from the scene's true slot tokens too, or the encoder, when its slots differ from the true ones.
+
 Exit status 0 when every kind reaches ``GOAL_PER_KIND`` (pictures with no shapes: ``GOAL_NO_SHAPES``), HF agrees on
 every sampled answer and the demo model gets at least as many knowledge questions right as SmolLM2, 1 otherwise.
 ``--markdown`` prints the table as the README shows it.
 
 Usage: python -m tools.eval_demo_model [MODEL_FOLDER | --vision-dir DIR] [-n 100] [--seed 4242] [--hf-sample 20]
-       [--markdown]
+       [--markdown] [--blame]
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import random
 import re
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -100,6 +103,27 @@ def text_checks(llm, max_tokens: int) -> tuple[int, int, int]:
     return kept, base_right, demo_right
 
 
+def print_blame(llm, model_dir: str, vision_dir: Path, args, errors) -> None:
+    """Per kind, how many misses the reader (wrong from the true slots too) and the encoder (its slots wrong)
+    caused (``tools.demo_vlm_blame``), and each miss's cause."""
+    from transformers import AutoTokenizer
+
+    from tessera.models.demo_vlm import CHAT_TEMPLATE
+    from tools.demo_vlm_blame import CAUSES, blame_misses
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    scenes = [scene for scene, *_ in datasets.make_eval_scenes(args.n, seed=args.seed)]
+    misses = [(scenes[i], kind, question, expected) for kind, question, expected, _, i in errors]
+    causes = blame_misses(llm, tokenizer, vision_dir, misses, args.max_tokens)
+    tally: dict[str, Counter] = defaultdict(Counter)
+    for (kind, question, _, _, _), (cause, true_answer, wrong) in zip(errors, causes):
+        tally[kind][cause] += 1
+        print(f"  {cause:<10} [{kind}] {question!r}: from the true slots {true_answer!r}; wrong slots {wrong[:4]}")
+    print("misses by cause: " + "; ".join(f"{kind} " + ", ".join(f"{c} {tally[kind][c]}" for c in CAUSES
+                                                                  if tally[kind][c]) for kind in tally))  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default=None, help="model folder (default: the demo VLM, assembled)")
@@ -114,7 +138,12 @@ def main() -> int:
     p.add_argument("--show-errors", type=int, default=15)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--markdown", action="store_true", help="print the accuracy table in Markdown")
+    p.add_argument("--blame", action="store_true",
+                   help="say for each miss whether the encoder's slots or the reader caused it (needs the vision "
+                        "side: the default model or --vision-dir)")  # fmt: skip
     args = p.parse_args()
+    if args.blame and args.model:
+        p.error("--blame reads the encoder from the vision side: pass --vision-dir DIR instead of a model folder")
 
     from tessera import LLM, SamplingParams
     from tessera.models.demo_vlm import SHIPPED_VISION_DIR, demo_model_folder
@@ -128,12 +157,12 @@ def main() -> int:
 
     scores: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     errors = []
-    for (_, kind, question, expected), output in zip(items, outputs):
+    for i, ((_, kind, question, expected), output) in enumerate(zip(items, outputs)):
         ok = normalise(output.outputs[0].text) == normalise(expected)
         scores[kind][0] += ok
         scores[kind][1] += 1
         if not ok:
-            errors.append((kind, question, expected, output.outputs[0].text))
+            errors.append((kind, question, expected, output.outputs[0].text, i))
 
     print(f"model: {model_dir} ({args.dtype}); held-out layouts and phrasings, seed {args.seed}")
     if args.markdown:
@@ -142,8 +171,10 @@ def main() -> int:
         right, total = scores[kind]
         cells = (kind, right, total, f"{right / max(total, 1):.1%}")
         print("| {} | {} | {} | {} |".format(*cells) if args.markdown else "{:<10} {:>5} / {:<5} {:>7}".format(*cells))
-    for kind, question, expected, answer in errors[: args.show_errors]:
+    for kind, question, expected, answer, _ in errors[: args.show_errors]:
         print(f"  wrong [{kind}] {question!r}: expected {expected!r}, got {answer!r}")
+    if args.blame:
+        print_blame(llm, model_dir, args.vision_dir or SHIPPED_VISION_DIR, args, errors)
 
     goals = {kind: GOAL_NO_SHAPES if kind == "no shapes" else GOAL_PER_KIND for kind in datasets.KINDS}
     failed = [f"{kind} {scores[kind][0] / scores[kind][1]:.1%} (< {goal:.0%})" for kind, goal in goals.items()

