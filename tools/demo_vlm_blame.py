@@ -4,7 +4,7 @@ train apart (tools/train_demo_vlm.py), so the next round should train the one th
 
 * ``wrong_slots(predicted, scene) -> ["obj2 colour: ' red' -> ' pink'", ...]``: the slots an encoder's argmax got
   wrong, named by object and record field.
-* ``encoder_slots(vision_dir, scenes) -> [[class, ...], ...]``: an encoder's argmax slot classes.
+* ``encoder_slots(encoder_path, images) -> [[class, ...], ...]``: an encoder's argmax slot classes.
 * ``true_slot_prompt(tokenizer, question, scene) -> token ids``: the one-turn chat with the scene's true slot
   tokens where the image's are (what the reader trained on).
 * ``blame(right_from_true_slots, slots_wrong) -> "reader" | "encoder" | "both" | "projection"``, and
@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-from tools import demo_vlm_data as data
 from tools import demo_vlm_slots as slots
-from tools.demo_vlm_encoder import SHAPE_FIELDS, TEXT_FIELDS, SlotEncoder, load_encoder, to_pixels
+from tools.demo_vlm_encoder import SlotEncoder, load_encoder, record_fields, to_pixels
 from tools.demo_vlm_reader import chat_ids, normalise
 
 CAUSES = ("reader", "encoder", "both", "projection")
@@ -36,8 +35,7 @@ def wrong_slots(predicted: list[int], scene: dict) -> list[str]:
             continue
         record, field = divmod(i, slots.RECORD)
         if record < len(scene["objects"]):
-            text = words[record * slots.RECORD + 1] in (" word", " number")
-            where = f"obj{record + 1} {(TEXT_FIELDS if text else SHAPE_FIELDS)[field]}"
+            where = f"obj{record + 1} {record_fields(words, record * slots.RECORD)[field]}"
         else:
             where = "filler"
         out.append(f"{where}: {slots.VOCAB[want]!r} -> {slots.VOCAB[got]!r}")
@@ -45,17 +43,18 @@ def wrong_slots(predicted: list[int], scene: dict) -> list[str]:
 
 
 @torch.no_grad()
-def encoder_slots(encoder_path: Path, scenes: list[dict], batch: int = 64) -> list[list[int]]:
-    """The slot classes an encoder writes for each scene (argmax of its classifier, which the projector's sigmoid
-    sharpens); `encoder_path`: a shipped vision side or a training checkpoint (``load_encoder``)."""
+def encoder_slots(encoder_path: Path, images: list, batch: int = 64) -> list[list[int]]:
+    """The slot classes an encoder writes for each image (a rendered scene; argmax of its classifier, which the
+    projector's sigmoid sharpens); `encoder_path`: a shipped vision side or a training checkpoint
+    (``load_encoder``)."""
     from tools.train_demo_vlm import VISION
 
     encoder = SlotEncoder.from_config(VISION)
     load_encoder(encoder, encoder_path)
     encoder.eval()
     out = []
-    for start in range(0, len(scenes), batch):
-        pixels = torch.stack([to_pixels(data.render(s)) for s in scenes[start : start + batch]])
+    for start in range(0, len(images), batch):
+        pixels = torch.stack([to_pixels(image) for image in images[start : start + batch]])
         out += encoder(pixels)[0].argmax(-1).tolist()
     return out
 
@@ -74,14 +73,14 @@ def blame(right_from_true_slots: bool, slots_wrong: bool) -> str:
     return "encoder" if slots_wrong else "projection"
 
 
-def blame_misses(llm, tokenizer, vision_dir: Path, misses: list[tuple[dict, str, str, str]], max_tokens: int):
-    """For each miss (scene, kind, question, expected answer): (cause, the answer from the true slots, the
+def blame_misses(llm, tokenizer, vision_dir: Path, misses: list[tuple[dict, object, str, str]], max_tokens: int):
+    """For each miss (scene, its image, question, expected answer): (cause, the answer from the true slots, the
     encoder's wrong slots), the true-slot answers generated greedily by `llm` (the assembled demo model)."""
     from tessera import SamplingParams
 
     if not misses:
         return []
-    predicted = encoder_slots(vision_dir, [scene for scene, *_ in misses])
+    predicted = encoder_slots(vision_dir, [image for _, image, _, _ in misses])
     prompts = [{"prompt_token_ids": true_slot_prompt(tokenizer, q, scene)} for scene, _, q, _ in misses]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     out = []

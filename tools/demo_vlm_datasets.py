@@ -47,9 +47,14 @@ def make_dataset(n: int, seed: int, split: str = "train") -> list[tuple[Image.Im
 
 def make_eval_set(n_per_kind: int, seed: int) -> list[tuple[Image.Image, str, str, str]]:
     """``make_eval_scenes`` with each scene rendered: (image, kind, question, answer)."""
+    return with_images(make_eval_scenes(n_per_kind, seed))
+
+
+def with_images(items: list[tuple[dict, str, str, str]]) -> list[tuple[Image.Image, str, str, str]]:
+    """(scene, kind, question, answer) items as (image, kind, question, answer), each scene rendered once."""
     images: dict[int, Image.Image] = {}
     return [(images.setdefault(id(scene), render(scene)), kind, question, answer)
-            for scene, kind, question, answer in make_eval_scenes(n_per_kind, seed)]  # fmt: skip
+            for scene, kind, question, answer in items]  # fmt: skip
 
 
 def answer_class(kind: str, answer: str) -> str | None:

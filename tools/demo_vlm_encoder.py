@@ -163,6 +163,11 @@ SHAPE_FIELDS = ("column", "size", "colour", "shape", "position", "row", "end")
 TEXT_FIELDS = ("column", "kind", "word or digit", "digit", "position", "row", "end")
 
 
+def record_fields(words: list[str], start: int) -> tuple[str, ...]:
+    """The field names of the record at slot `start` of a scene's ``slot_words``: a text's or a shape's."""
+    return TEXT_FIELDS if words[start + 1] in (" word", " number") else SHAPE_FIELDS
+
+
 def field_errors(logits: torch.Tensor, scenes: list[dict]) -> dict[str, float]:
     """Share of wrong slots per record field (``SHAPE_FIELDS``; a text's record by ``TEXT_FIELDS``, prefixed
     "text ") by argmax of the encoder's slot logits: where the encoder still errs."""
@@ -172,9 +177,9 @@ def field_errors(logits: torch.Tensor, scenes: list[dict]) -> dict[str, float]:
         words = slots.slot_words(scene)
         predicted = logits[row].argmax(-1).tolist()  # tolist() leaves the GPU
         for start in range(0, len(scene["objects"]) * slots.RECORD, slots.RECORD):
-            text = words[start + 1] in (" word", " number")
-            for k, name in enumerate(TEXT_FIELDS if text else SHAPE_FIELDS):
-                key = f"text {name}" if text else name
+            fields = record_fields(words, start)
+            for k, name in enumerate(fields):
+                key = f"text {name}" if fields is TEXT_FIELDS else name
                 wrong[key] += predicted[start + k] != target[start + k]
                 total[key] += 1
     return {key: wrong[key] / total[key] for key in total}

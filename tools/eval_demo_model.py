@@ -1,7 +1,7 @@
 """Evaluate the demo VLM (the vision side trained by tools/train_demo_vlm.py in front of SmolLM2-135M-Instruct,
 assembled by tessera.models.demo_vlm) on held-out questions, through Tessera.
 
-The questions come from ``tools/demo_vlm_datasets.make_eval_set``: scenes of held-out layouts and pictures with no
+The questions come from ``tools/demo_vlm_datasets.make_eval_scenes``: scenes of held-out layouts and pictures with no
 shapes of held-out seeds, phrasings the training never saw, every kind balanced (yes / no / which for relations,
 every count and side, yes / no for existence), single-object scenes included. Each is asked as a one-turn chat with
 the image (greedy), and the answer must match exactly (after stripping, lower-casing and dropping a final full
@@ -103,7 +103,7 @@ def text_checks(llm, max_tokens: int) -> tuple[int, int, int]:
     return kept, base_right, demo_right
 
 
-def print_blame(llm, model_dir: str, vision_dir: Path, args, errors) -> None:
+def print_blame(llm, model_dir: str, vision_dir: Path, args, scene_items, items, errors) -> None:
     """Per kind, how many misses the reader (wrong from the true slots too) and the encoder (its slots wrong)
     caused (``tools.demo_vlm_blame``), and each miss's cause."""
     from transformers import AutoTokenizer
@@ -113,8 +113,7 @@ def print_blame(llm, model_dir: str, vision_dir: Path, args, errors) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.chat_template = CHAT_TEMPLATE
-    scenes = [scene for scene, *_ in datasets.make_eval_scenes(args.n, seed=args.seed)]
-    misses = [(scenes[i], kind, question, expected) for kind, question, expected, _, i in errors]
+    misses = [(scene_items[i][0], items[i][0], question, expected) for _, question, expected, _, i in errors]
     causes = blame_misses(llm, tokenizer, vision_dir, misses, args.max_tokens)
     tally: dict[str, Counter] = defaultdict(Counter)
     for (kind, question, _, _, _), (cause, true_answer, wrong) in zip(errors, causes):
@@ -150,7 +149,8 @@ def main() -> int:
 
     model_dir = args.model or str(demo_model_folder(args.vision_dir or SHIPPED_VISION_DIR))
     start = time.time()
-    items = datasets.make_eval_set(args.n, seed=args.seed)
+    scene_items = datasets.make_eval_scenes(args.n, seed=args.seed)
+    items = datasets.with_images(scene_items)
     llm = LLM(model_dir, dtype=args.dtype, kv_cache_memory="512MiB")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     outputs = llm.chat([chat(image, q) for image, _, q, _ in items], params, use_tqdm=False)
@@ -174,7 +174,7 @@ def main() -> int:
     for kind, question, expected, answer, _ in errors[: args.show_errors]:
         print(f"  wrong [{kind}] {question!r}: expected {expected!r}, got {answer!r}")
     if args.blame:
-        print_blame(llm, model_dir, args.vision_dir or SHIPPED_VISION_DIR, args, errors)
+        print_blame(llm, model_dir, args.vision_dir or SHIPPED_VISION_DIR, args, scene_items, items, errors)
 
     goals = {kind: GOAL_NO_SHAPES if kind == "no shapes" else GOAL_PER_KIND for kind in datasets.KINDS}
     failed = [f"{kind} {scores[kind][0] / scores[kind][1]:.1%} (< {goal:.0%})" for kind, goal in goals.items()

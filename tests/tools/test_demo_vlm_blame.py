@@ -55,7 +55,7 @@ def test_the_encoders_slots_are_its_classifiers_argmax(tmp_path):
         encoder.classifier.bias[slots.VOCAB.index(slots.FILLER)] = 10.0
     save_encoder(encoder, tmp_path / "encoder.safetensors")
     scene = _scene_with_shapes_and_text()
-    (predicted,) = encoder_slots(tmp_path / "encoder.safetensors", [scene])
+    (predicted,) = encoder_slots(tmp_path / "encoder.safetensors", [data.render(scene)])
     assert predicted == [slots.VOCAB.index(slots.FILLER)] * slots.NUM_SLOTS
     used = len(scene["objects"]) * slots.RECORD
     wrong = wrong_slots(predicted, scene)
