@@ -106,7 +106,8 @@ TEMPLATES = {
         "Howdy!", "Hiya!", "Good day!", "Morning!", "Yo!", "Hey, how's it going?", "Hello, nice to meet you!",
         "Hi, what's up?", "Heya", "Hi friend!",
     ],
-    "compound_2": ["{q1}, and {q2}?", "{q1}? {q2}?", "{q1}? Also, {q2}?", "{q1}? And {q2}?", "{q1}, and also {q2}?"],
+    "compound_2": ["{q1}, and {q2}?", "{q1}? {q2}?", "{q1}? Also, {q2}?", "{q1}? And {q2}?", "{q1}, and also {q2}?",
+                   "{q1} and {q2}?", "{q1} and also {q2}?"],  # as people type: no comma before "and"
     "compound_3": ["{q1}, {q2}, and {q3}?", "{q1}? {q2}? {q3}?", "{q1}? Also, {q2}? And {q3}?",
                    "{q1}, {q2} and {q3}?"],
 }  # fmt: skip

@@ -74,12 +74,25 @@ then a second phase of each from its own output, and what ships is the two branc
     # --reader-lr 5e-4 (then 3e-4)
     python -m tools.demo_vlm_lora blend A2 C2 --weight 0.5 --out tessera/demo_vlm/lora.safetensors
 
+Round 8 ran three reader branches from that average and an encoder phase from the shipped vision side, all four
+at once on one H200 (two threads each); what ships is branch C alone (the other branches cost a knowledge
+question) with round 6's vision side (the new encoder swaps two shapes drawn in one column):
+
+    K=relation=6,count=1.5,compound=10,existence=2,absent=0.5,middle=8,describe=2,shape=2,"no shapes"=3,synonym=1.5
+    python -m tools.train_demo_vlm --stage reader --init-lora tessera/demo_vlm/lora.safetensors --seed 33 \
+        --reader-minutes 7 --batch 16 --text-batch 16 --distill-weight 8 --reader-lr 3e-4 --picture-share 0.15 \
+        --eval-every 200 --kind-weights "$K"
+    # the encoder phase beside it (not shipped; docs/demo-vlm-training.md round 8):
+    python -m tools.train_demo_vlm --stage encoder --init-encoder tessera/demo_vlm --seed 51 --encoder-minutes 7.6 \
+        --encoder-lr 3e-4 --encoder-text-share 0.6 --encoder-eval-every 1500 --workers 6
+
 Usage: python -m tools.train_demo_vlm [--out tessera/demo_vlm] [--stage all|encoder|reader|export] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -144,6 +157,25 @@ def steps_in_budget(seconds_per_step: float, minutes: float, most: int, done: in
     return max(done, min(most, int(minutes * 60 / seconds_per_step)))
 
 
+class StepBudget:
+    """A stage's time budget (None: none): the steps from `warm` to `fit` are timed, then the step count (at most
+    the one asked, and so the learning-rate schedule) is fitted to `minutes`."""
+
+    def __init__(self, stage: str, minutes: float | None, warm: int, fit: int) -> None:
+        self.stage, self.minutes, self.warm, self.fit = stage, minutes, warm, fit
+        self.started = time.perf_counter()
+
+    def steps(self, step: int, steps: int, log) -> int:
+        """Called before each step with the step count so far: the step count to train for."""
+        if self.minutes and step == self.warm:
+            self.started = time.perf_counter()
+        if self.minutes and step == self.fit:
+            per_step = (time.perf_counter() - self.started) / (self.fit - self.warm)
+            steps = steps_in_budget(per_step, self.minutes, steps, done=self.fit)
+            log(f"{self.stage}: {per_step:.3f} s per step, {steps} steps in {self.minutes} min")
+        return steps
+
+
 def _step(optimizer, params, loss: torch.Tensor, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -189,8 +221,11 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
     params = [p for layer in wrapped.values() for p in (layer.lora_A, layer.lora_B)]
     optimizer = torch.optim.AdamW(params, lr=args.reader_lr, weight_decay=0.0)
     eval_scenes = datasets.make_eval_scenes(10, seed=args.seed + 1000)
-    step, started = 0, time.perf_counter()
-    while step < args.reader_steps:
+    budget = StepBudget("reader", args.reader_minutes, warm=0, fit=20)
+    for step in itertools.count():
+        args.reader_steps = budget.steps(step, args.reader_steps, log)
+        if step >= args.reader_steps:
+            break
         items = [reader_conversation(tokenizer, *sample_conversation(rng, args.turns, chats, args.chat_share,
                                                                      args.kind_weights, args.picture_share))
                  for _ in range(args.batch)]  # fmt: skip
@@ -200,10 +235,6 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
         distill = distillation_loss(model, texts)
         lr = schedule(step, args.reader_steps, args.reader_lr, warmup=30)
         _step(optimizer, params, loss + args.distill_weight * distill, lr)
-        if args.reader_minutes and step == 19:  # a time budget: fit the step count (and the schedule) to it
-            per_step = (time.perf_counter() - started) / 20
-            args.reader_steps = steps_in_budget(per_step, args.reader_minutes, args.reader_steps, done=20)
-            log(f"reader: {per_step:.2f} s per step, {args.reader_steps} steps in {args.reader_minutes} min")
         if step % 25 == 0:
             log(f"reader step {step}/{args.reader_steps}: answer loss {loss.item():.3f}, text KL {distill.item():.4f}")
         if (step + 1) % args.eval_every == 0 or step == args.reader_steps - 1:
@@ -213,7 +244,6 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
                 + f"; text answers kept {same}/{len(held_out)}")  # fmt: skip
             # float16, as shipped: a GPU machine hands back files of at most 16 MB (float32 is 20 MB)
             save_file({k: v.half().contiguous() for k, v in lora_state(wrapped).items()}, checkpoint)
-        step += 1
     return wrapped
 
 
@@ -233,7 +263,11 @@ def train_encoder(args, log, checkpoint: Path) -> SlotEncoder:
     autocast = torch.autocast(torch.device(args.device).type, dtype=dtype, enabled=dtype == torch.bfloat16)
     scenes = SceneBatches(args.seed + 1, args.encoder_batch, args.encoder_text_share, args.encoder_picture_share)
     batches = DataLoader(scenes, batch_size=None, num_workers=args.workers, pin_memory=args.device != "cpu")
-    for step, batch in zip(range(args.encoder_steps), batches):
+    budget = StepBudget("encoder", args.encoder_minutes, warm=10, fit=60)  # timed once the data workers run
+    for step, batch in enumerate(batches):
+        args.encoder_steps = budget.steps(step, args.encoder_steps, log)
+        if step >= args.encoder_steps:
+            break
         pixels, target, patch_target = (t.to(args.device, non_blocking=True) for t in batch)
         with autocast:
             loss, accuracy = encoder.loss(pixels, target, patch_target)
@@ -319,6 +353,8 @@ def main() -> None:
                         help="reader: a time budget; the step count (at most --reader-steps) is fitted to it "
                              "after 20 steps, the learning-rate schedule with it")  # fmt: skip
     parser.add_argument("--encoder-steps", type=int, default=12000)
+    parser.add_argument("--encoder-minutes", type=float, default=None,
+                        help="encoder: a time budget, as --reader-minutes (fitted after 60 steps)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=16, help="reader: conversations per step")
     parser.add_argument("--turns", type=int, default=6, help="reader: question/answer turns per conversation")
     parser.add_argument(
