@@ -94,7 +94,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import random
 import time
@@ -138,51 +137,12 @@ from tools.demo_vlm_reader import (
     reader_loss,
     sample_conversation,
 )
+from tools.demo_vlm_steps import StepBudget, optimizer_step, schedule
 
 VISION = dict(image_size=data.IMAGE_SIZE, patch_size=16, hidden_size=256, intermediate_size=1024,
               num_hidden_layers=8, num_attention_heads=4)  # fmt: skip
 LLAVA_SETTINGS = {"projector_hidden_act": PROJECTOR_ACT, "vision_feature_layer": -1,
                   "vision_feature_select_strategy": "default"}  # fmt: skip
-
-
-def schedule(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warm-up, then cosine decay to zero."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-
-def steps_in_budget(seconds_per_step: float, minutes: float, most: int, done: int) -> int:
-    """How many steps fit in `minutes` at `seconds_per_step`: at most `most`, at least the `done` ones."""
-    return max(done, min(most, int(minutes * 60 / seconds_per_step)))
-
-
-class StepBudget:
-    """A stage's time budget (None: none): the steps from `warm` to `fit` are timed, then the step count (at most
-    the one asked, and so the learning-rate schedule) is fitted to `minutes`."""
-
-    def __init__(self, stage: str, minutes: float | None, warm: int, fit: int) -> None:
-        self.stage, self.minutes, self.warm, self.fit = stage, minutes, warm, fit
-        self.started = time.perf_counter()
-
-    def steps(self, step: int, steps: int, log) -> int:
-        """Called before each step with the step count so far: the step count to train for."""
-        if self.minutes and step == self.warm:
-            self.started = time.perf_counter()
-        if self.minutes and step == self.fit:
-            per_step = (time.perf_counter() - self.started) / (self.fit - self.warm)
-            steps = steps_in_budget(per_step, self.minutes, steps, done=self.fit)
-            log(f"{self.stage}: {per_step:.3f} s per step, {steps} steps in {self.minutes} min")
-        return steps
-
-
-def _step(optimizer, params, loss: torch.Tensor, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def low_precision(device: str) -> torch.dtype:
@@ -234,7 +194,7 @@ def train_reader(model, tokenizer, args, rng: random.Random, log, checkpoint: Pa
         texts = text_batch(tokenizer, [prompts[i] for i in picks], [answers[i] for i in picks])
         distill = distillation_loss(model, texts)
         lr = schedule(step, args.reader_steps, args.reader_lr, warmup=30)
-        _step(optimizer, params, loss + args.distill_weight * distill, lr)
+        optimizer_step(optimizer, params, loss + args.distill_weight * distill, lr)
         if step % 25 == 0:
             log(f"reader step {step}/{args.reader_steps}: answer loss {loss.item():.3f}, text KL {distill.item():.4f}")
         if (step + 1) % args.eval_every == 0 or step == args.reader_steps - 1:
@@ -272,7 +232,7 @@ def train_encoder(args, log, checkpoint: Path) -> SlotEncoder:
         with autocast:
             loss, accuracy = encoder.loss(pixels, target, patch_target)
         lr = schedule(step, args.encoder_steps, args.encoder_lr, warmup=200)
-        _step(optimizer, list(encoder.parameters()), loss, lr)
+        optimizer_step(optimizer, list(encoder.parameters()), loss, lr)
         if step % 100 == 0:
             log(f"encoder step {step}/{args.encoder_steps}: loss {loss.item():.3f}, slot accuracy {accuracy:.3f}")
         if (step + 1) % args.encoder_eval_every == 0 or step == args.encoder_steps - 1:

@@ -1,4 +1,4 @@
-"""The demo VLM training script's pieces: the learning-rate schedule and the shipped side it writes (the
+"""The demo VLM training script's pieces: the shipped side it writes (the
 folder tessera.models.demo_vlm assembles: a sigmoid projector onto the slot tokens' embeddings, float16)."""
 
 from __future__ import annotations
@@ -13,29 +13,6 @@ from testkit.demo_vlm import TEXT_HIDDEN
 from tools import demo_vlm_slots as slots
 from tools import train_demo_vlm as train
 from tools.demo_vlm_encoder import SlotEncoder, export_projector
-
-
-def test_the_schedule_warms_up_then_decays_to_zero():
-    lrs = [train.schedule(step, 100, 1.0, warmup=10) for step in range(100)]
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[10] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.0, abs=1e-3)
-
-
-def test_a_time_budget_fits_the_reader_steps_between_those_done_and_the_most():
-    assert train.steps_in_budget(0.5, minutes=1.0, most=1000, done=20) == 120  # 60 s / 0.5 s
-    assert train.steps_in_budget(0.5, minutes=1.0, most=50, done=20) == 50
-    assert train.steps_in_budget(10.0, minutes=1.0, most=1000, done=20) == 20  # only 6 fit: keep those done
-
-
-def test_a_step_budget_times_the_steps_after_the_warm_ones_then_fits_the_count(monkeypatch):
-    no_budget, logged = train.StepBudget("reader", None, warm=0, fit=20), []
-    assert [no_budget.steps(step, 300, logged.append) for step in range(25)] == [300] * 25 and not logged
-    clock = iter([0.0, 100.0, 106.25])  # created; step 10 starts at 100 s, step 60 at 106.25 s: 0.125 s a step
-    monkeypatch.setattr(train.time, "perf_counter", lambda: next(clock))
-    budget = train.StepBudget("encoder", 1.0, warm=10, fit=60)
-    counts = [budget.steps(step, 12000, logged.append) for step in range(61)]
-    assert counts[:60] == [12000] * 60 and counts[60] == 480  # 60 s / 0.125 s
-    assert logged == ["encoder: 0.125 s per step, 480 steps in 1.0 min"]
 
 
 def test_the_shipped_side_is_the_tower_the_exported_projector_and_the_lora(tmp_path):
