@@ -13,7 +13,7 @@ def test_the_schedule_warms_up_then_decays_to_zero():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.0, abs=1e-3)
 
 
-def test_a_time_budget_fits_the_reader_steps_between_those_done_and_the_most():
+def test_a_time_budget_fits_the_steps_between_those_done_and_the_most():
     assert steps.steps_in_budget(0.5, minutes=1.0, most=1000, done=20) == 120  # 60 s / 0.5 s
     assert steps.steps_in_budget(0.5, minutes=1.0, most=50, done=20) == 50
     assert steps.steps_in_budget(10.0, minutes=1.0, most=1000, done=20) == 20  # only 6 fit: keep those done
