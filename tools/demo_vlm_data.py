@@ -41,6 +41,8 @@ API:
   "font", "rgb"}``. ``n`` (objects) and ``text`` (bool) force those choices.
 * ``render(scene, size=IMAGE_SIZE) -> PIL.Image`` (deterministic: the scene holds every random choice).
 * ``position_of``, ``position_clear``, ``relation``: the geometry the questions ask about.
+* ``left_to_right``, ``top_to_bottom``: the objects' reading order and row ranks (``SLANT``);
+  ``align_pair(scene, rng)``: two objects put in one column or row (encoder training).
 
 ``python -m tools.demo_vlm_data --out DIR [--n 12] [--seed 0] [--split train]`` writes PNGs and a
 ``questions.txt`` to look at.
@@ -116,6 +118,12 @@ CORNERS = ((0.25, 0.25), (0.75, 0.25), (0.25, 0.75), (0.75, 0.75))
 GAP = 0.03
 ORDER_MARGIN = 0.06
 RELATION_MIN, RELATION_RATIO, RELATION_NO = 0.12, 1.5, 0.06
+# the slots' record order runs along lines this far off the vertical (and their row ranks off the horizontal): an
+# object exactly above another is listed first, not in drawing order, which the image does not show; under
+# ORDER_MARGIN / RELATION_NO, so every pair a description or relation is asked about keeps its order by x (by y)
+SLANT = 0.05
+assert SLANT < min(ORDER_MARGIN, RELATION_NO)
+ALIGN_TRIES = 20
 ZERO_SHARE = 0.15
 EVAL_LAYOUT_PERCENT = 10
 
@@ -139,6 +147,18 @@ def position_clear(cx: float, cy: float) -> bool:
     if max(dx, dy) < MIDDLE_CLEAR:
         return True
     return abs(dx - dy) >= POSITION_MARGIN and max(dx, dy) >= MIN_OFFSET
+
+
+def left_to_right(objects: list[dict]) -> list[int]:
+    """The objects' indices in reading order, the slots' records and descriptions: by the centre's x, which
+    ``SLANT`` times its y shifts (one above the other, the upper one first)."""
+    return sorted(range(len(objects)), key=lambda i: objects[i]["cx"] + SLANT * objects[i]["cy"])
+
+
+def top_to_bottom(objects: list[dict]) -> list[int]:
+    """The objects' indices from the top (the row ranks): by the centre's y, which ``SLANT`` times its x shifts
+    (side by side, the left one first)."""
+    return sorted(range(len(objects)), key=lambda i: objects[i]["cy"] + SLANT * objects[i]["cx"])
 
 
 def relation(a: dict, b: dict, rel: str) -> str | None:
@@ -282,6 +302,22 @@ def make_scene(rng: random.Random, split: str = "train", n: int | None = None, t
         scene = _draw_scene(rng, n, text)
         if layout_split(scene) == split:
             return scene
+
+
+def align_pair(scene: dict, rng: random.Random) -> dict:
+    """The scene with two of its objects put exactly in one column (or row), as people draw them, where that still
+    fits and keeps the layout's split; else unchanged. Training data for the order ``SLANT`` breaks."""
+    objects = scene["objects"]
+    split = layout_split(scene)
+    for _ in range(ALIGN_TRIES if len(objects) >= 2 else 0):
+        a, b = rng.sample(objects, 2)
+        axis = rng.choice(("cx", "cy"))
+        moved = {**b, axis: a[axis]}
+        others = [o for o in objects if o is not b]
+        aligned = {**scene, "objects": [moved if o is b else o for o in objects]}
+        if _fits(moved["cx"], moved["cy"], moved["extent"], others) and layout_split(aligned) == split:
+            return aligned
+    return scene
 
 
 # --------------------------------------------------------------------------------------------- rendering

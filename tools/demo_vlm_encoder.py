@@ -97,15 +97,21 @@ class SceneBatches(torch.utils.data.IterableDataset):
     """Endless training batches of ``scene_batch``, each worker drawing from its own seeded generator (the
     stream depends on the seed and the number of workers only; a data loader interleaves the workers in
     turn): `picture_share` of them pictures with no shapes (all slots fillers), `text_share` of the scenes with
-    a text."""
+    a text, `align_share` of them with two objects in one column or row (``data.align_pair``)."""
 
-    def __init__(self, seed: int, batch: int, text_share: float, picture_share: float = 0.0) -> None:
-        self.seed, self.batch, self.text_share, self.picture_share = seed, batch, text_share, picture_share
+    def __init__(
+        self, seed: int, batch: int, text_share: float, picture_share: float = 0.0, align_share: float = 0.0
+    ) -> None:
+        self.seed, self.batch, self.text_share = seed, batch, text_share
+        self.picture_share, self.align_share = picture_share, align_share
 
     def _scene(self, rng: random.Random) -> dict:
         if rng.random() < self.picture_share:
             return make_picture(rng, "train")
-        return data.make_scene(rng, "train", text=True if rng.random() < self.text_share else None)
+        scene = data.make_scene(rng, "train", text=True if rng.random() < self.text_share else None)
+        if self.align_share and rng.random() < self.align_share:  # no draw at 0: earlier runs' streams kept
+            scene = data.align_pair(scene, rng)
+        return scene
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()

@@ -48,6 +48,7 @@ from tools.demo_vlm_data import (
     SHAPES,
     SIZES,
     ZERO_SHARE,
+    left_to_right,
     position_clear,
     position_of,
     relation,
@@ -97,7 +98,7 @@ def answer_name(shape: dict, shapes: list[dict]) -> str | None:
 def describe(objects: list[dict]) -> str:
     """'a large red circle, the word cat and a small blue star': the objects from left to right."""
     parts = []
-    for o in sorted(objects, key=lambda o: o["cx"]):
+    for o in (objects[i] for i in left_to_right(objects)):
         if "text" in o:
             parts.append(f"the {o['text_kind']} {o['text']}")
         else:

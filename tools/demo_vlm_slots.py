@@ -2,16 +2,17 @@
 of SmolLM2 tokens, one per image position, that the vision encoder learns to emit (as those tokens' embeddings)
 and the language model's LoRA learns to answer from.
 
-The objects are listed from left to right, one record of ``RECORD`` slots each::
+The objects are listed from left to right (``data.left_to_right``: one above the other, the upper first), one
+record of ``RECORD`` slots each::
 
     shape:  "1" " large" " red" " circle" " left" "2" ";"   column rank, size, colour, shape, position, row rank, end
     text:   "2" " word" " cat" "." " top" "1" ";"           or " number" "4" "2" (a one-digit number: "7" ".")
 
-The column rank is the object's place from the left (the record's own number), the row rank its place from
-the top (1 = highest), so "left of" / "right of" and "above" / "below" are each a comparison of two digits.
-The unused slots after the last record hold ``FILLER``. ``slot_words(scene)`` gives the ``NUM_SLOTS`` token
-strings, ``VOCAB`` every token a slot can hold; ``slot_ids`` maps them to SmolLM2's token ids and
-``slot_classes`` to indices into ``VOCAB``.
+The column rank is the object's place from the left (the record's own number), the row rank its place from the top
+(1 = highest; side by side, the left first), so "left of" / "right of" and "above" / "below" are each a comparison
+of two digits. The unused slots after the last record hold ``FILLER``. ``slot_words(scene)`` gives the
+``NUM_SLOTS`` token strings, ``VOCAB`` every token a slot can hold; ``slot_ids`` maps them to SmolLM2's token ids
+and ``slot_classes`` to indices into ``VOCAB``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ assert MAX_OBJECTS * RECORD <= NUM_SLOTS
 
 
 def _row_ranks(objects: list[dict]) -> dict[int, int]:
-    order = sorted(range(len(objects)), key=lambda i: objects[i]["cy"])
-    return {i: rank + 1 for rank, i in enumerate(order)}
+    return {i: rank + 1 for rank, i in enumerate(data.top_to_bottom(objects))}
 
 
 def slot_words(scene: dict) -> list[str]:
@@ -42,7 +42,7 @@ def slot_words(scene: dict) -> list[str]:
     objects = scene["objects"]
     ranks = _row_ranks(objects)
     words: list[str] = []
-    for column, i in enumerate(sorted(range(len(objects)), key=lambda i: objects[i]["cx"]), start=1):
+    for column, i in enumerate(data.left_to_right(objects), start=1):
         o = objects[i]
         if "text" in o:
             digits_or_word = list(o["text"]) if o["text_kind"] == "number" else [f" {o['text']}"]

@@ -91,6 +91,7 @@ def patch_targets(scene: dict) -> torch.Tensor:
     targets = torch.zeros(len(TARGETS), GRID, GRID, dtype=torch.long)
     rows = {name: i for i, name in enumerate(TARGETS)}
     targets[rows["shapes"]] = len(shapes)
+    x_order, y_order = data.left_to_right(objects), data.top_to_bottom(objects)
     for i, obj in enumerate(objects):
         where = torch.from_numpy(owner == i)
         row, col = _centre_cell(obj)
@@ -105,8 +106,7 @@ def patch_targets(scene: dict) -> torch.Tensor:
                        "same_size": sum(s["size"] == obj["size"] for s in shapes)}  # fmt: skip
         position = data.POSITIONS.index(data.position_of(obj["cx"], obj["cy"])) + 1
         classes |= {"position": position, "x": col + 1, "y": row + 1,
-                    "x_rank": 1 + sum(o["cx"] < obj["cx"] for o in objects),
-                    "y_rank": 1 + sum(o["cy"] < obj["cy"] for o in objects)}  # fmt: skip
+                    "x_rank": 1 + x_order.index(i), "y_rank": 1 + y_order.index(i)}  # fmt: skip
         for name, value in classes.items():
             targets[rows[name]][where] = value
         targets[rows["anchor"], row, col] = 1

@@ -39,52 +39,8 @@ shipped side once the work folder holds both stages' outputs; ``--stage export``
         --device cpu --reader-steps 100 --batch 8 --text-batch 12 --distill-weight 8 --reader-lr 3e-4 \\
         --kind-weights relation=8,count=2,describe=2 --eval-every 50
 
-Round 5 (issue 44: the middle, new colours and shades, pictures with no shapes, the kinds users asked) continued
-from the shipped side on 2 CPU cores, the two stages side by side at one thread each (OMP_NUM_THREADS=1); the
-encoder starts from the shipped vision side, its classifier rows matched by slot word:
-
-    K=relation=4,count=2,compound=3,existence=2,absent=1.5,middle=4,synonym=1.5,greeting=0.5,describe=1.5,reading=1.5
-    python -m tools.train_demo_vlm --stage encoder --init-encoder tessera/demo_vlm --seed 5 --device cpu \
-        --encoder-steps 2500 --encoder-lr 5e-4 --encoder-eval-every 500
-    python -m tools.train_demo_vlm --stage reader --init-lora tessera/demo_vlm/lora.safetensors --seed 6 \
-        --device cpu --reader-steps 160 --batch 8 --text-batch 12 --distill-weight 8 --reader-lr 6e-4 \
-        --eval-every 80 --kind-weights $K
-    then (from each one's output): encoder --seed 8 --encoder-steps 800 --encoder-lr 2e-4; reader --seed 7
-    --reader-steps 60 --reader-lr 4e-4 --picture-share 0.15 and reader --seed 9 --reader-steps 40 --reader-lr 3e-4
-    --picture-share 0.15, with compound, middle and "no shapes" weighed up (training.json has each phase's settings)
-
-then a fourth reader phase, at two threads once the encoder was done, on more training phrasings:
-
-    K=relation=4,count=1.5,compound=6,existence=2,absent=0.5,middle=4,describe=2,shape=2,"no shapes"=3  # the rest 1
-    OMP_NUM_THREADS=2 python -m tools.train_demo_vlm --stage reader --init-lora tessera/demo_vlm/lora.safetensors \
-        --seed 11 --device cpu --reader-steps 420 --batch 8 --text-batch 12 --distill-weight 8 --reader-lr 4e-4 \
-        --eval-every 140 --picture-share 0.15 --kind-weights "$K"
-
-It read better but answered one knowledge question fewer than SmolLM2, so what ships is its update blended half and
-half with the LoRA before it (``python -m tools.demo_vlm_lora blend NEW OLD --weight 0.5 --out ...``).
-
-Round 6 ran the reader at GPU scale on one H200: two branches from that blend, side by side, each on a time budget,
-then a second phase of each from its own output, and what ships is the two branches' average:
-
-    K=relation=4,count=1.5,compound=6,existence=2,absent=0.5,middle=4,describe=2,shape=2,"no shapes"=3  # branch A
-    python -m tools.train_demo_vlm --stage reader --init-lora tessera/demo_vlm/lora.safetensors --seed 21 \
-        --reader-minutes 5 --batch 16 --text-batch 16 --distill-weight 8 --reader-lr 4e-4 --picture-share 0.15 \
-        --kind-weights "$K"       # then from its output: --seed 121 --reader-minutes 2.4 --reader-lr 2.5e-4
-    # branch C: relation=5, compound=8, middle=6, describe=3, --seed 23 (then 123), --distill-weight 12,
-    # --reader-lr 5e-4 (then 3e-4)
-    python -m tools.demo_vlm_lora blend A2 C2 --weight 0.5 --out tessera/demo_vlm/lora.safetensors
-
-Round 8 ran three reader branches from that average and an encoder phase from the shipped vision side, all four
-at once on one H200 (two threads each); what ships is branch C alone (the other branches cost a knowledge
-question) with round 6's vision side (the new encoder swaps two shapes drawn in one column):
-
-    K=relation=6,count=1.5,compound=10,existence=2,absent=0.5,middle=8,describe=2,shape=2,"no shapes"=3,synonym=1.5
-    python -m tools.train_demo_vlm --stage reader --init-lora tessera/demo_vlm/lora.safetensors --seed 33 \
-        --reader-minutes 7 --batch 16 --text-batch 16 --distill-weight 8 --reader-lr 3e-4 --picture-share 0.15 \
-        --eval-every 200 --kind-weights "$K"
-    # the encoder phase beside it (not shipped; docs/demo-vlm-training.md round 8):
-    python -m tools.train_demo_vlm --stage encoder --init-encoder tessera/demo_vlm --seed 51 --encoder-minutes 7.6 \
-        --encoder-lr 3e-4 --encoder-text-share 0.6 --encoder-eval-every 1500 --workers 6
+Rounds 5 to 8 (issue 44) continued from the shipped side, on 2 CPU cores and on lent H200s; their commands are in
+docs/demo-vlm-training.md ("The commands of rounds 5 to 8"), every phase's settings in training.json.
 
 Usage: python -m tools.train_demo_vlm [--out tessera/demo_vlm] [--stage all|encoder|reader|export] [--seed 0]
 """
@@ -218,10 +174,12 @@ def train_encoder(args, log, checkpoint: Path) -> SlotEncoder:
     eval_rng = random.Random(args.seed + 2000)
     eval_scenes = [data.make_scene(eval_rng, "eval") for _ in range(200)]
     eval_scenes += [make_picture(eval_rng, "eval") for _ in range(round(200 * args.encoder_picture_share))]
-    eval_pixels = torch.stack([to_pixels(data.render(s)) for s in eval_scenes]).to(args.device)
+    aligned = [data.align_pair(data.make_scene(eval_rng, "eval", n=n), eval_rng) for n in (2, 3, 4, 5) * 25]
+    eval_pixels = torch.stack([to_pixels(data.render(s)) for s in eval_scenes + aligned]).to(args.device)
     dtype = low_precision(args.device)
     autocast = torch.autocast(torch.device(args.device).type, dtype=dtype, enabled=dtype == torch.bfloat16)
-    scenes = SceneBatches(args.seed + 1, args.encoder_batch, args.encoder_text_share, args.encoder_picture_share)
+    scenes = SceneBatches(args.seed + 1, args.encoder_batch, args.encoder_text_share, args.encoder_picture_share,
+                          args.encoder_align_share)  # fmt: skip
     batches = DataLoader(scenes, batch_size=None, num_workers=args.workers, pin_memory=args.device != "cpu")
     budget = StepBudget("encoder", args.encoder_minutes, warm=10, fit=60)  # timed once the data workers run
     for step, batch in enumerate(batches):
@@ -239,11 +197,13 @@ def train_encoder(args, log, checkpoint: Path) -> SlotEncoder:
             encoder.eval()
             with autocast, torch.no_grad():
                 logits, _ = encoder(eval_pixels)
-            slot_wrong, scene_wrong = slot_errors(logits, eval_scenes)
-            fields = field_errors(logits, eval_scenes)
+            slot_wrong, scene_wrong = slot_errors(logits[: len(eval_scenes)], eval_scenes)
+            fields = field_errors(logits[: len(eval_scenes)], eval_scenes)
+            aligned_wrong = slot_errors(logits[len(eval_scenes) :], aligned)
             encoder.train()
             log(f"encoder held-out layouts: {slot_wrong:.2%} of slots wrong, {scene_wrong:.1%} of scenes; by field: "
-                + ", ".join(f"{name} {share:.1%}" for name, share in fields.items()))  # fmt: skip
+                + ", ".join(f"{name} {share:.1%}" for name, share in fields.items())
+                + "; two objects aligned: {:.2%} of slots wrong, {:.1%} of scenes".format(*aligned_wrong))  # fmt: skip
             save_encoder(encoder, checkpoint)
     return encoder.eval()
 
@@ -352,6 +312,8 @@ def main() -> None:
         default=0.15,
         help="encoder: pictures with no shapes (photographs, noise, drawings), all slots fillers",
     )
+    parser.add_argument("--encoder-align-share", type=float, default=0.2,
+                        help="encoder: scenes with two objects in one column or row, as people draw them")  # fmt: skip
     parser.add_argument("--sharpen", type=float, default=4.0, help="export: the classifier's logit scale")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=400, help="reader: steps between evaluations")

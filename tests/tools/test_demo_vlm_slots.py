@@ -26,10 +26,12 @@ def test_slots_list_every_object_left_to_right_with_its_column_and_row_ranks():
         scene = data.make_scene(rng, "train")
         words = slots.slot_words(scene)
         assert len(words) == slots.NUM_SLOTS and set(words) <= set(slots.VOCAB)
-        objects = sorted(scene["objects"], key=lambda o: o["cx"])
+        # left to right along lines SLANT off the vertical, rows along lines SLANT off the horizontal (the order
+        # tests/tools/test_demo_vlm_data_order.py checks against drawings)
+        objects = sorted(scene["objects"], key=lambda o: o["cx"] + data.SLANT * o["cy"])
         records = _records(words)
         assert len(records) == len(objects)
-        by_height = sorted(objects, key=lambda o: o["cy"])
+        by_height = sorted(objects, key=lambda o: o["cy"] + data.SLANT * o["cx"])
         for column, (record, o) in enumerate(zip(records, objects), start=1):
             assert record.pop(0) == str(column)
             assert record[3] == " " + data.position_of(o["cx"], o["cy"])
