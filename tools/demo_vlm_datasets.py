@@ -9,7 +9,8 @@ held-out evaluation.
 * ``make_dataset(n, seed, split="train") -> [(image, [(kind, question, answer), ...]), ...]``: n scenes.
 * ``make_eval_set(n_per_kind, seed) -> [(image, kind, question, answer), ...]``: eval layouts, pictures and
   templates, at least ``n_per_kind`` questions of every kind, single-object scenes included
-  (``make_eval_scenes``: the same with the scene instead of its image).
+  (``make_eval_scenes``: the same with the scene instead of its image; ``aligned=True``: two objects of each
+  scene in one column or row).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import Counter
 
 from PIL import Image
 
-from tools.demo_vlm_data import make_scene, render
+from tools.demo_vlm_data import align_pair, make_scene, render
 from tools.demo_vlm_pictures import make_picture
 from tools.demo_vlm_questions import BASE_KINDS, base_questions
 from tools.demo_vlm_user_kinds import USER_KINDS, user_questions
@@ -64,11 +65,12 @@ def answer_class(kind: str, answer: str) -> str | None:
     return answer if kind in ("count", "position", "existence") else None
 
 
-def make_eval_scenes(n_per_kind: int, seed: int) -> list[tuple[dict, str, str, str]]:
+def make_eval_scenes(n_per_kind: int, seed: int, aligned: bool = False) -> list[tuple[dict, str, str, str]]:
     """Eval layouts, pictures and held-out phrasings: at least n_per_kind (scene, kind, question, answer) of every
     kind, one question per kind per scene; every ``PICTURE_EVAL_EVERY``-th scene is a picture with no shapes, every
     fourth other scene has a single object, every third one a text. Among a scene's questions of a kind, the one
-    whose ``answer_class`` is the rarest so far is taken, so that those answers come out balanced."""
+    whose ``answer_class`` is the rarest so far is taken, so that those answers come out balanced. `aligned`: every
+    scene of two or more objects has two of them in one column or row (``align_pair``), as people draw them."""
     rng = random.Random(seed)
     counts = dict.fromkeys(KINDS, 0)
     seen: Counter = Counter()
@@ -81,6 +83,8 @@ def make_eval_scenes(n_per_kind: int, seed: int) -> list[tuple[dict, str, str, s
             n = 1 if i % 4 == 0 else None
             text = False if n == 1 else (True if i % 3 == 0 else None)
             scene = make_scene(rng, "eval", n=n, text=text)
+            if aligned:
+                scene = align_pair(scene, rng)
         i += 1
         qas = questions(scene, rng, "eval")
         for kind in KINDS:

@@ -18,7 +18,7 @@ every sampled answer and the demo model gets at least as many knowledge question
 ``--markdown`` prints the table as the README shows it.
 
 Usage: python -m tools.eval_demo_model [MODEL_FOLDER | --vision-dir DIR] [-n 100] [--seed 4242] [--hf-sample 20]
-       [--markdown] [--blame]
+       [--markdown] [--blame] [--aligned]
 """
 
 from __future__ import annotations
@@ -136,6 +136,8 @@ def main() -> int:
     p.add_argument("--hf-sample", type=int, default=20, help="questions also answered by HF transformers")
     p.add_argument("--show-errors", type=int, default=15)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--aligned", action="store_true",
+                   help="two objects of each scene in one column or row, as people draw them (another eval set)")
     p.add_argument("--markdown", action="store_true", help="print the accuracy table in Markdown")
     p.add_argument("--blame", action="store_true",
                    help="say for each miss whether the encoder's slots or the reader caused it (needs the vision "
@@ -149,7 +151,7 @@ def main() -> int:
 
     model_dir = args.model or str(demo_model_folder(args.vision_dir or SHIPPED_VISION_DIR))
     start = time.time()
-    scene_items = datasets.make_eval_scenes(args.n, seed=args.seed)
+    scene_items = datasets.make_eval_scenes(args.n, seed=args.seed, aligned=args.aligned)
     items = datasets.with_images(scene_items)
     llm = LLM(model_dir, dtype=args.dtype, kv_cache_memory="512MiB")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -164,7 +166,8 @@ def main() -> int:
         if not ok:
             errors.append((kind, question, expected, output.outputs[0].text, i))
 
-    print(f"model: {model_dir} ({args.dtype}); held-out layouts and phrasings, seed {args.seed}")
+    aligned = ", two objects in one column or row" if args.aligned else ""
+    print(f"model: {model_dir} ({args.dtype}); held-out layouts and phrasings{aligned}, seed {args.seed}")
     if args.markdown:
         print("\n| question kind | correct | asked | accuracy |\n|---|---|---|---|")
     for kind in datasets.KINDS:

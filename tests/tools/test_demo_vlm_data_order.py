@@ -96,3 +96,17 @@ def test_align_pair_puts_two_objects_in_one_column_or_row_and_keeps_the_scene_va
 def test_align_pair_leaves_a_single_object_alone():
     lone = scene(shape("star", "green", 0.4, 0.6))
     assert data.align_pair(lone, random.Random(0)) == lone
+
+
+def test_the_aligned_eval_set_has_two_objects_in_line_in_most_scenes_and_asks_every_kind():
+    from tools import demo_vlm_datasets as ds
+
+    items = ds.make_eval_scenes(20, seed=5, aligned=True)
+    scenes = list({id(scene): scene for scene, _, _, _ in items}.values())
+    several = [s for s in scenes if len(s.get("objects", ())) >= 2]
+    in_line = [s for s in several if any(a is not b and (a["cx"] == b["cx"] or a["cy"] == b["cy"])
+                                         for a in s["objects"] for b in s["objects"])]  # fmt: skip
+    assert len(in_line) >= 0.6 * len(several)
+    assert all(data.layout_split(s) == "eval" for s in several)
+    kinds = [kind for _, kind, _, _ in items]
+    assert all(kinds.count(kind) >= 20 for kind in ds.KINDS)
