@@ -24,7 +24,8 @@ def test_the_true_slots_have_nothing_wrong_and_one_changed_slot_is_named():
     scene = _scene_with_shapes_and_text()
     classes, words = slots.slot_classes(scene), slots.slot_words(scene)
     assert wrong_slots(classes, scene) == []
-    left_to_right = sorted(scene["objects"], key=lambda o: o["cx"])
+    # the records' order: left to right along lines SLANT off the vertical (tests/tools/test_demo_vlm_data_order.py)
+    left_to_right = sorted(scene["objects"], key=lambda o: o["cx"] + data.SLANT * o["cy"])
     k = next(i for i, o in enumerate(left_to_right) if "text" not in o)
     colour_slot = k * slots.RECORD + 2
     other = next(c for c in data.COLOURS if c != left_to_right[k]["colour"])
