@@ -75,3 +75,25 @@ def test_collate_pads_every_field():
     assert batch["input_ids"][0].tolist() == [0, 1, 2, 7, 7] and batch["labels"][0, 3:].tolist() == [-100, -100]
     assert batch["attention_mask"].sum(1).tolist() == [3, 5] and not batch["image_mask"][0, 3:].any()
     assert batch["weights"][0, 3:].sum() == 0
+
+
+def test_batched_answers_are_the_one_at_a_time_answers(tokenizer):
+    """Left padding must not change an answer: a tiny random Llama answers the same prompts (of different
+    lengths, short and long kinds) in one batch and one by one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    rng = random.Random(3)
+    items = [(data.make_scene(rng), kind, question, "")
+             for kind, question in [("shape", "What shape is it?"), ("compound", "How many shapes, and which colour?"),
+                                    ("count", "How many stars are there in this picture?")]]  # fmt: skip
+    lengths = {
+        len(reader.chat_ids(tokenizer, [(k, q, "")], slots.slot_ids(s, tokenizer), True)[0]) for s, k, q, _ in items
+    }
+    assert len(lengths) == 3  # the batch is padded
+    batched = reader.reader_answers(model, tokenizer, items, batch=3)
+    alone = [reader.reader_answers(model, tokenizer, items[i : i + 1], batch=1)[0] for i in range(3)]
+    assert batched[0] != "" and batched == alone
