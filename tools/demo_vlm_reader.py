@@ -165,11 +165,20 @@ def reader_answers(model, tokenizer, items, batch: int = 32) -> list[str]:
     return out_texts
 
 
-def evaluate_reader(model, tokenizer, eval_scenes, limit: int | None = None) -> dict[str, tuple[int, int]]:
-    """Exact-match answers (greedy, one turn) per kind from the scenes' true slots: the reader's ceiling."""
+def score_reader(model, tokenizer, items) -> tuple[dict[str, tuple[int, int]], list[tuple[str, str, str, str]]]:
+    """Exact-match answers (greedy, one turn) per kind from the scenes' true slots: the reader's ceiling.
+    -> ({kind: (right, asked)}, [(kind, question, expected, answered) of each miss])"""
     scores: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    items = eval_scenes[:limit]
-    for (_, kind, _, answer), text in zip(items, reader_answers(model, tokenizer, items)):
-        scores[kind][0] += normalise(text) == normalise(answer)
+    misses = []
+    for (_, kind, question, answer), text in zip(items, reader_answers(model, tokenizer, items)):
+        right = normalise(text) == normalise(answer)
+        scores[kind][0] += right
         scores[kind][1] += 1
-    return {kind: (hit, n) for kind, (hit, n) in scores.items()}
+        if not right:
+            misses.append((kind, question, answer, text))
+    return {kind: (hit, n) for kind, (hit, n) in scores.items()}, misses
+
+
+def evaluate_reader(model, tokenizer, eval_scenes, limit: int | None = None) -> dict[str, tuple[int, int]]:
+    """``score_reader``'s scores on the first `limit` eval items."""
+    return score_reader(model, tokenizer, eval_scenes[:limit])[0]

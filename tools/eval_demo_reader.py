@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ from safetensors.torch import load_file
 
 from tools import demo_vlm_datasets as datasets
 from tools.demo_vlm_lora import add_lora, load_lora_state
-from tools.demo_vlm_reader import normalise, reader_answers
+from tools.demo_vlm_reader import score_reader
 from tools.train_demo_vlm import load_language_model
 
 
@@ -44,25 +43,21 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/tessera-demo-reader-eval"))
     p.add_argument("--show-errors", type=int, default=20)
     args = p.parse_args()
+    kinds = args.kinds.split(",") if args.kinds else list(datasets.KINDS)
+    if unknown := [kind for kind in kinds if kind not in datasets.KINDS]:
+        p.error(f"unknown kind(s) {', '.join(unknown)}; kinds: {', '.join(datasets.KINDS)}")
     torch.manual_seed(0)
     model, tokenizer = load_reader(args.lora, args.work)
-    kinds = set(args.kinds.split(",")) if args.kinds else set(datasets.KINDS)
-    scores: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    misses = []
+    items = [item for seed in (int(s) for s in args.seeds.split(","))
+             for item in datasets.make_eval_scenes(args.n, seed, aligned=args.aligned) if item[1] in kinds]  # fmt: skip
     start = time.perf_counter()
-    for seed in (int(s) for s in args.seeds.split(",")):
-        items = [it for it in datasets.make_eval_scenes(args.n, seed, aligned=args.aligned) if it[1] in kinds]
-        for (_, kind, question, answer), text in zip(items, reader_answers(model, tokenizer, items)):
-            right = normalise(text) == normalise(answer)
-            scores[kind][0] += right
-            scores[kind][1] += 1
-            if not right:
-                misses.append(f"  wrong [{kind}] {question!r}: expected {answer!r}, got {text!r}")
+    scores, misses = score_reader(model, tokenizer, items)
     for kind, (hit, n) in sorted(scores.items()):
         print(f"{kind:<12}{hit:>5} / {n:<5}{100 * hit / n:6.1f}%")
     hits, total = sum(h for h, _ in scores.values()), sum(n for _, n in scores.values())
     print(f"all {hits} / {total} from the true slots in {time.perf_counter() - start:.0f} s")
-    print("\n".join(misses[: args.show_errors]))
+    for kind, question, answer, text in misses[: args.show_errors]:
+        print(f"  wrong [{kind}] {question!r}: expected {answer!r}, got {text!r}")
     return 0
 
 
