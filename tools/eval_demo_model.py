@@ -71,9 +71,17 @@ def hf_agreement(model_dir: str, items, outputs, sample: int, seed: int, max_tok
     return agree
 
 
+# A number as written in prose: thousands grouped by commas ("7,982,180"), or plain digits, with decimals.
+NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?")
+
+
 def knows(answer: str, words: tuple[str, ...]) -> bool:
-    """Whether an answer contains one of the words a right answer has (as a whole word, any case)."""
-    return any(re.search(rf"\b{re.escape(word)}\b", answer.lower()) for word in words)
+    """Whether an answer contains one of the words a right answer has (as a whole word, any case); a number
+    counts by its value, so "100.0 degrees" knows 100 but "7,982,180 km" does not know 7."""
+    text = answer.lower()
+    numbers = {float(n.replace(",", "")) for n in NUMBER.findall(text)}
+    return any(float(word) in numbers if word.isdigit() else re.search(rf"\b{re.escape(word)}\b", text)
+               for word in words)  # fmt: skip
 
 
 def text_checks(llm, max_tokens: int) -> tuple[int, int, int]:
