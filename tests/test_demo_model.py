@@ -26,6 +26,7 @@ from tessera.models.demo_vlm import SHIPPED_VISION_DIR, demo_model_folder, find_
 from tools import demo_vlm_data  # noqa: E402
 from tools.demo_vlm_chat_data import HELD_OUT_QUESTIONS, KNOWLEDGE_QUESTIONS  # noqa: E402
 from tools.demo_vlm_questions import describe  # noqa: E402
+from tools.eval_demo_model import knows  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 THREE_SHAPES = REPO / "examples" / "three_shapes.png"
@@ -180,8 +181,6 @@ def knowledge(demo_llm) -> dict[str, list[str]]:
 
 
 def _knowledge_right(answers: list[str]) -> int:
-    from tools.eval_demo_model import knows
-
     return sum(knows(answer, words) for answer, (_, words) in zip(answers, KNOWLEDGE_QUESTIONS))
 
 
