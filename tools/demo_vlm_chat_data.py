@@ -3,9 +3,11 @@ images, and these prompts, answered by SmolLM2-135M-Instruct itself (LoRA off), 
 answer as it was (self-distillation).
 
 ``general_prompts(seed)`` returns a fixed, shuffled list of a few hundred everyday questions and requests
-built from templates and fillers. ``HELD_OUT_QUESTIONS``, the ten the tests and the evaluation ask, are never
-among them: they measure whether the model's text answers held, on prompts it never saw, and so do the
-``KNOWLEDGE_QUESTIONS``, scored by the words a right answer contains (whether the answers got worse).
+built from templates and fillers, and quiz questions of the knowledge check's kind on other facts (since round
+12: without them the reading LoRA drifted from SmolLM2's quiz answers). ``HELD_OUT_QUESTIONS``, the ten the
+tests and the evaluation ask, are never among them: they measure whether the model's text answers held, on
+prompts it never saw, and so do the ``KNOWLEDGE_QUESTIONS``, scored by the words a right answer contains
+(whether the answers got worse).
 """
 
 from __future__ import annotations
@@ -74,6 +76,49 @@ _FILLERS = {
     "greeting": ["Hello!", "Hi there.", "Good morning!", "Hey, how are you?", "Thanks for your help!",
                  "Who are you?", "What can you do?", "Tell me a joke.", "I feel tired today.", "Can you help me?"],
 }  # fmt: skip
+# Questions of the knowledge check's kind (one fact, asked the way a quiz asks it) on other facts: the
+# distillation keeps SmolLM2's answers to such questions, which the reading LoRA otherwise drifts from. No
+# question shares its fact with a KNOWLEDGE_QUESTIONS one or is one of those asked of another number,
+# unit or season.
+_TRIVIA = [
+    "Who painted The Starry Night?", "Who painted The Scream?", "Who painted Guernica?",
+    "Who painted The Night Watch?", "Who painted Girl with a Pearl Earring?", "Who painted The Birth of Venus?",
+    "Who painted Water Lilies?", "Who sculpted David?", "Who composed the Four Seasons?",
+    "Who composed the Moonlight Sonata?", "Who wrote Pride and Prejudice?", "Who wrote Don Quixote?",
+    "Who wrote War and Peace?", "Who wrote the Odyssey?", "Who wrote Nineteen Eighty-Four?",
+    "Who wrote Moby-Dick?", "Who wrote The Divine Comedy?", "Who wrote Oliver Twist?",
+    "Which planet is closest to the Sun?", "Which planet is famous for its rings?",
+    "Which planet is farthest from the Sun?", "Which planet is the hottest in the solar system?",
+    "Which planet do we live on?", "What is the name of Earth's natural satellite?",
+    "What is the chemical symbol for silver?", "What is the chemical symbol for iron?",
+    "What is the chemical symbol for sodium?", "What is the chemical symbol for oxygen?",
+    "Which element has the atomic number 1?", "What gas do humans breathe out?",
+    "What is the hardest natural substance?",
+    "Who discovered penicillin?", "Who invented the telephone?", "Who invented the light bulb?",
+    "Who invented the printing press?", "Who were the first people to fly an aeroplane?",
+    "Who was the first person to walk on the Moon?", "Who proposed the theory of evolution?",
+    "Who discovered gravity when an apple fell?", "In which country is the Eiffel Tower?",
+    "In which country is the Colosseum?", "In which country is the Taj Mahal?",
+    "In which country is Machu Picchu?", "In which country is the Great Wall?",
+    "In which city is the Statue of Liberty?", "What is the longest river in the world?",
+    "What is the largest desert in the world?", "What is the largest country by area?",
+    "What is the smallest country in the world?", "What is the largest continent?",
+    "What is the capital city of Australia?", "What is the capital city of Canada?",
+    "What is the capital city of Spain?", "What is the currency of the United States?",
+    "What is the currency of the United Kingdom?", "Which language is spoken in Brazil?",
+    "Which animal is known as the ship of the desert?", "Which animal is called man's best friend?",
+    "What is the fastest land animal?", "What is the tallest animal?", "Which bird cannot fly and lives in Antarctica?",
+    "What do cows drink?", "What do pandas eat?",
+    "How many wheels does a bicycle have?", "How many strings does a violin have?",
+    "How many players are on a football team?", "How many sides does a hexagon have?",
+    "How many weeks are in a year?", "How many days are in June?",
+    "What is 7 times 8?", "What is half of 50?", "What is 100 minus 37?",
+    "Which month comes after March?", "What colour is grass?",
+    "What colour are bananas when they are ripe?", "Which organ do we use to breathe?",
+    "Which organ controls the body?", "How many bones are in the adult human body?",
+    "What do plants give off into the air?",
+    "What is the largest bird?", "What is the largest fish?", "Which ocean lies between Europe and America?",
+]  # fmt: skip
 _TEMPLATES = [
     "What is the capital of {country}?",
     "Which language is spoken in {country}?",
@@ -104,7 +149,8 @@ _TEMPLATES = [
 
 
 def general_prompts(seed: int = 0) -> list[str]:
-    """Every template with every filler (numbers drawn), deduplicated and shuffled with `seed`."""
+    """Every template with every filler (numbers drawn) and the quiz questions, deduplicated, without the
+    held-out and knowledge questions, shuffled with `seed`."""
     rng = random.Random(seed)
     prompts: set[str] = set()
     for template in _TEMPLATES:
@@ -117,6 +163,7 @@ def general_prompts(seed: int = 0) -> list[str]:
         for value in _FILLERS[keys[0]]:
             values = {keys[0]: value} | {k: rng.choice(_FILLERS[k]) for k in keys[1:]}
             prompts.add(template.format(**values))
-    ordered = sorted(prompts - set(HELD_OUT_QUESTIONS))
+    prompts.update(_TRIVIA)
+    ordered = sorted(prompts - set(HELD_OUT_QUESTIONS) - {q for q, _ in KNOWLEDGE_QUESTIONS})
     rng.shuffle(ordered)
     return ordered
