@@ -192,8 +192,6 @@ def test_text_only_answers_stay_smollm2s_kind_of_answer(demo_llm, knowledge):
     assert "Paris" in paris[0].outputs[0].text  # "What is the capital of France?"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 44: the shipped LoRA answers 20/30 knowledge questions, SmolLM2 21/30 "
-                   "(it loses the Mona Lisa and the Red Planet, gains the spider's legs)")  # fmt: skip
 def test_text_only_answers_know_what_smollm2_knows(knowledge):
     """What it knows must not get worse: the knowledge questions SmolLM2 alone gets right, scored by the words
     a right answer contains (numbers by value)."""

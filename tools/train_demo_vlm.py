@@ -39,8 +39,8 @@ shipped side once the work folder holds both stages' outputs; ``--stage export``
         --device cpu --reader-steps 100 --batch 8 --text-batch 12 --distill-weight 8 --reader-lr 3e-4 \\
         --kind-weights relation=8,count=2,describe=2 --eval-every 50
 
-Rounds 5 to 11 (issue 44) continued from the shipped side, on 2 CPU cores and on lent GPUs; their commands are in
-docs/demo-vlm-training.md ("The commands of rounds 5 to 11"), every phase's settings in training.json.
+Rounds 5 to 12 (issue 44) continued from the shipped side, on 2 CPU cores and on lent GPUs; their commands are in
+docs/demo-vlm-training.md ("The commands of rounds 5 to 12"), every phase's settings in training.json.
 
 Usage: python -m tools.train_demo_vlm [--out tessera/demo_vlm] [--stage all|encoder|reader|export] [--seed 0]
 """
