@@ -3,8 +3,8 @@ images, and these prompts, answered by SmolLM2-135M-Instruct itself (LoRA off), 
 answer as it was (self-distillation).
 
 ``general_prompts(seed)`` returns a fixed, shuffled list of a few hundred everyday questions and requests
-built from templates and fillers, and quiz questions of the knowledge check's kind on other facts (since round
-12: without them the reading LoRA drifted from SmolLM2's quiz answers). ``HELD_OUT_QUESTIONS``, the ten the
+built from templates and fillers, and the ``QUIZ_QUESTIONS``, of the knowledge check's kind on other facts (since
+round 12: without them the reading LoRA drifted from SmolLM2's quiz answers). ``HELD_OUT_QUESTIONS``, the ten the
 tests and the evaluation ask, are never among them: they measure whether the model's text answers held, on
 prompts it never saw, and so do the ``KNOWLEDGE_QUESTIONS``, scored by the words a right answer contains
 (whether the answers got worse).
@@ -80,7 +80,7 @@ _FILLERS = {
 # distillation keeps SmolLM2's answers to such questions, which the reading LoRA otherwise drifts from. No
 # question shares its fact with a KNOWLEDGE_QUESTIONS one or is one of those asked of another number,
 # unit or season.
-_TRIVIA = [
+QUIZ_QUESTIONS = [
     "Who painted The Starry Night?", "Who painted The Scream?", "Who painted Guernica?",
     "Who painted The Night Watch?", "Who painted Girl with a Pearl Earring?", "Who painted The Birth of Venus?",
     "Who painted Water Lilies?", "Who sculpted David?", "Who composed the Four Seasons?",
@@ -163,7 +163,7 @@ def general_prompts(seed: int = 0) -> list[str]:
         for value in _FILLERS[keys[0]]:
             values = {keys[0]: value} | {k: rng.choice(_FILLERS[k]) for k in keys[1:]}
             prompts.add(template.format(**values))
-    prompts.update(_TRIVIA)
+    prompts.update(QUIZ_QUESTIONS)
     ordered = sorted(prompts - set(HELD_OUT_QUESTIONS) - {q for q, _ in KNOWLEDGE_QUESTIONS})
     rng.shuffle(ordered)
     return ordered

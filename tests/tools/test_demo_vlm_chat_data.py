@@ -2,7 +2,7 @@
 
 import re
 
-from tools.demo_vlm_chat_data import _TRIVIA, HELD_OUT_QUESTIONS, KNOWLEDGE_QUESTIONS, general_prompts
+from tools.demo_vlm_chat_data import HELD_OUT_QUESTIONS, KNOWLEDGE_QUESTIONS, QUIZ_QUESTIONS, general_prompts
 
 
 def _norm(text: str) -> str:
@@ -19,11 +19,11 @@ def test_general_prompts_hold_no_evaluated_question():
 def test_general_prompts_include_the_quiz_questions_in_a_seeded_order():
     first, again, other = general_prompts(3), general_prompts(3), general_prompts(4)
     assert first == again and first != other
-    assert set(_TRIVIA) <= set(first)
+    assert set(QUIZ_QUESTIONS) <= set(first)
 
 
 def test_quiz_questions_ask_no_knowledge_answer():
     # a quiz question naming a knowledge question's answer (Mars, Leonardo, ...) would teach that fact
     answers = {word for _, words in KNOWLEDGE_QUESTIONS for word in words if len(word) > 3 and word.isalpha()}
-    named = {(q, w) for q in _TRIVIA for w in answers if re.search(rf"\b{w}\b", q.lower())}
+    named = {(q, w) for q in QUIZ_QUESTIONS for w in answers if re.search(rf"\b{w}\b", q.lower())}
     assert not named
