@@ -171,32 +171,17 @@ def test_a_greeting_gets_a_greeting_and_a_photograph_no_made_up_shapes(demo_llm)
     assert all("no simple shapes" in a for a in answers[1:]), answers
 
 
-@pytest.fixture(scope="module")
-def knowledge(demo_llm) -> dict[str, list[str]]:
-    """Greedy answers to general-knowledge questions never in training: the demo model's and SmolLM2's alone."""
+def test_text_only_answers_know_what_smollm2_knows(demo_llm):
+    """The LoRA changes SmolLM2's weights, so its greedy text can differ; what it knows must not get worse:
+    general-knowledge questions never in training, scored by the words a right answer contains (numbers by
+    value), against SmolLM2 alone; and the held-out capital question."""
     chats = [[{"role": "user", "content": q}] for q, _ in KNOWLEDGE_QUESTIONS]
     smollm2 = LLM(str(find_smollm2_gguf()), dtype="float32", kv_cache_memory="64MiB")
-    return {name: [o.outputs[0].text for o in llm.chat(chats, GREEDY, use_tqdm=False)]
-            for name, llm in (("demo", demo_llm), ("smollm2", smollm2))}  # fmt: skip
-
-
-def _knowledge_right(answers: list[str]) -> int:
-    return sum(knows(answer, words) for answer, (_, words) in zip(answers, KNOWLEDGE_QUESTIONS))
-
-
-def test_text_only_answers_stay_smollm2s_kind_of_answer(demo_llm, knowledge):
-    """The LoRA changes SmolLM2's weights, so its greedy text can differ; it must stay a chat model that knows
-    things: at least half the knowledge questions right, and the held-out capital question."""
-    assert _knowledge_right(knowledge["demo"]) >= len(KNOWLEDGE_QUESTIONS) // 2, knowledge["demo"]
+    answers = [[o.outputs[0].text for o in llm.chat(chats, GREEDY, use_tqdm=False)] for llm in (demo_llm, smollm2)]
+    right = [sum(knows(a, words) for a, (_, words) in zip(ours, KNOWLEDGE_QUESTIONS)) for ours in answers]
+    assert right[0] >= right[1] >= len(KNOWLEDGE_QUESTIONS) // 2, (right, answers[0])
     paris = demo_llm.chat([[{"role": "user", "content": HELD_OUT_QUESTIONS[0]}]], GREEDY, use_tqdm=False)
     assert "Paris" in paris[0].outputs[0].text  # "What is the capital of France?"
-
-
-def test_text_only_answers_know_what_smollm2_knows(knowledge):
-    """What it knows must not get worse: the knowledge questions SmolLM2 alone gets right, scored by the words
-    a right answer contains (numbers by value)."""
-    right = _knowledge_right(knowledge["demo"]), _knowledge_right(knowledge["smollm2"])
-    assert right[0] >= right[1] >= len(KNOWLEDGE_QUESTIONS) // 2, (right, knowledge["demo"])
 
 
 def test_tessera_generates_what_transformers_generates(folder, demo_llm):
