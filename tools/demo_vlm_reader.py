@@ -120,7 +120,8 @@ def sample_conversation(
     """A training scene (in `picture_share` of them a picture with no shapes) and up to `turns` distinct
     questions about it, each turn's kind drawn by `kind_weights` (default ``KIND_WEIGHTS``) among the kinds with
     questions left (per kind, not per question: a scene allows many more relation and count questions than the
-    others); in `chat_share` of them a last, text-only turn from `chats` (prompt, SmolLM2's answer)."""
+    others), none of them a compound's part asked alone (``repeats_a_part``); in `chat_share` of them a last,
+    text-only turn from `chats` (prompt, SmolLM2's answer)."""
     scene = make_picture(rng, "train") if rng.random() < picture_share else data.make_scene(rng, "train")
     by_kind: dict[str, list] = defaultdict(list)
     for qa in questions(scene, rng, "train"):
@@ -129,12 +130,26 @@ def sample_conversation(
     while len(qas) < turns and by_kind:
         kinds = sorted(by_kind)
         kind = rng.choices(kinds, weights=[kind_weights.get(k, 1.0) for k in kinds])[0]
-        qas.append(by_kind[kind].pop(rng.randrange(len(by_kind[kind]))))
+        qa = by_kind[kind].pop(rng.randrange(len(by_kind[kind])))
         if not by_kind[kind]:
             del by_kind[kind]
+        if not repeats_a_part(qa, qas):
+            qas.append(qa)
     if rng.random() < chat_share:
         qas.append(("chat", *rng.choice(chats)))
     return scene, qas
+
+
+def repeats_a_part(qa: tuple[str, str, str], asked: list[tuple[str, str, str]]) -> bool:
+    """Whether `qa` is a compound with a part asked alone in `asked`, or a question that a compound in `asked`
+    holds: the compound's answer would then be in the conversation already, to copy instead of read from the
+    slots (the eval, and most users, ask a compound first)."""
+    def part_of(question: str, compound: str) -> bool:  # a part is a question without its "?"
+        return question.endswith("?") and question[:-1].lower() in compound.lower()
+
+    if qa[0] == "compound":
+        return any(kind != "compound" and part_of(question, qa[1]) for kind, question, _ in asked)
+    return any(kind == "compound" and part_of(qa[1], question) for kind, question, _ in asked)
 
 
 def normalise(answer: str) -> str:

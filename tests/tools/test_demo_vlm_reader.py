@@ -40,6 +40,28 @@ def test_kind_weights_change_the_mix():
     assert asked.count("colour") > asked.count("relation") + asked.count("count")
 
 
+def test_no_compound_shares_a_part_with_a_question_asked_alone():
+    """Else its answer is in the conversation already, to copy instead of read from the slots."""
+    compounds = 0
+    for seed in range(40):
+        _, qas = reader.sample_conversation(random.Random(seed), turns=6, chats=[("Hi", "Hi!")], chat_share=0.0,
+                                            kind_weights={"compound": 20.0, "count": 5.0, "colour": 5.0})  # fmt: skip
+        alone = [q[:-1].lower() for kind, q, _ in qas if kind != "compound" and q.endswith("?")]
+        for question in (q.lower() for kind, q, _ in qas if kind == "compound"):
+            compounds += 1
+            assert not [part for part in alone if part in question], question
+    assert compounds >= 20
+
+
+def test_repeats_a_part_sees_a_part_asked_before_or_after():
+    count = ("count", "How many stars are there?", "two")
+    both = ("compound", "How many stars are there, and what colour is the circle?", "two; red")
+    other = ("compound", "How many squares are there, and which colour is the circle?", "one; red")
+    assert reader.repeats_a_part(both, [count]) and reader.repeats_a_part(count, [both])
+    assert not reader.repeats_a_part(other, [count]) and not reader.repeats_a_part(count, [other])
+    assert not reader.repeats_a_part(("greeting", "Hi", "Hello!"), [other])  # "Hi" is in "which", not a part
+
+
 def test_conversations_hold_the_slots_and_are_labelled_on_their_answers_only(tokenizer):
     scene = data.make_scene(random.Random(0))
     qas = [("colour", "What colour is the star?", "pink"), ("count", "How many shapes are there?", "three")]
