@@ -144,6 +144,7 @@ def repeats_a_part(qa: tuple[str, str, str], asked: list[tuple[str, str, str]]) 
     """Whether `qa` is a compound with a part asked alone in `asked`, or a question that a compound in `asked`
     holds: the compound's answer would then be in the conversation already, to copy instead of read from the
     slots (the eval, and most users, ask a compound first)."""
+
     def part_of(question: str, compound: str) -> bool:  # a part is a question without its "?"
         return question.endswith("?") and question[:-1].lower() in compound.lower()
 
