@@ -33,6 +33,8 @@ TEMPLATES = {
         "How many {things} do you see?", "How many {things} does the image contain?", "How many {things} are visible?",
         "How many {things} does the picture contain?", "How many {things} does the picture have?",
         "How many {things} are drawn?", "How many {things} does the image show?",
+        "How many {things} can be seen?", "How many {things} are present?", "How many {things} do you count?",
+        "How many {things} appear in the image?",
     ],
     "position": [
         "Where is {obj}?", "In which part of the image is {obj}?", "Is {obj} on the left, right, top or bottom?",
@@ -42,6 +44,7 @@ TEMPLATES = {
         "Which part of the picture contains {obj}?", "Which area of the image holds {obj}?",
         "In which region is {obj}?", "Which part of the image has {obj} in it?",
         "On what side of the picture is {obj}?",
+        "Where do you see {obj}?", "Where is {obj} located?", "Which side is {obj} on?",
     ],
     "relation": [
         "Is {a} {rel} {b}?", "Is it true that {a} is {rel} {b}?", "Is {a} located {rel} {b}?",
@@ -50,6 +53,10 @@ TEMPLATES = {
         "Name the shape {rel} {b}.", "Which shape lies {rel} {b}?", "Tell me which shape is {rel} {b}.",
         "What is {rel} {b}?", "What is drawn {rel} {b}?", "Does {a} lie {rel} {b}?", "Is {a} placed {rel} {b}?",
         "Which shape sits {rel} {b}?", "Which object can be seen {rel} {b}?",
+        "Is {a} found {rel} {b}?", "Can {a} be seen {rel} {b}?", "Do you see {a} {rel} {b}?",
+        "Is {a} positioned {rel} {b}?", "Would you agree that {a} is {rel} {b}?", "Yes or no: is {a} {rel} {b}?",
+        "Which shape can you see {rel} {b}?", "What do you see {rel} {b}?", "Which shape appears {rel} {b}?",
+        "Which shape is located {rel} {b}?",
     ],
     "reading": [
         "What {thing} is written in the image?", "What {thing} is shown?", "Read the {thing} in the picture.",
@@ -73,6 +80,9 @@ TEMPLATES = {
         "Can you find {a_thing} in the image?", "Are there any {things}?", "Are there any {things} in the image?",
         "Do you see any {things}?", "Can you see any {things}?", "Does the image have any {things}?",
         "Are there {things} in the picture?",
+        "Do you notice {a_thing}?", "Do you spot {a_thing}?", "Is {a_thing} visible?", "Is {a_thing} present?",
+        "Would you say there is {a_thing}?", "Does the image show {a_thing}?", "Do you notice any {things}?",
+        "Are any {things} visible?", "Do any {things} appear in the image?", "Can any {things} be seen?",
     ],
     "absent": [
         "Which of these colours is not in the image: {options}?", "Which colour is missing: {options}?",
@@ -93,6 +103,7 @@ TEMPLATES = {
         "What is the form of {mid}?", "What would you say {mid} is shaped like?", "Which shape would you say {mid} is?",
         "What is {mid}'s shape?", "What sort of shape is {mid}?", "What is {mid}, shape-wise?",
         "What is {mid} like in shape?", "What shape does {mid} have?",
+        "Which form does {mid} have?", "Which geometric shape is {mid}?", "What shape is {mid} drawn as?",
     ],
     "middle_name": [
         "What is in the middle?", "What is in the centre of the image?", "Which shape is in the center?",
@@ -101,10 +112,14 @@ TEMPLATES = {
         "Which shape is at the centre?", "Which shape lies in the middle?", "Which object sits in the center?",
         "Which shape is in the middle of the picture?", "Which shape can you see in the centre?",
         "Which object is placed in the middle?", "Which shape is placed at the center?",
+        "What is at the centre?", "What sits in the centre?", "What can you see in the middle?",
+        "Which object is at the center of the image?", "What is located in the middle?",
     ],
     "middle_ref": [
         "the shape in the middle", "the shape in the centre", "the shape in the center", "the object in the middle",
         "the one in the middle", "the shape at the centre", "the object in the centre", "the thing in the middle",
+        "the item in the middle", "the central shape", "the central object", "the one in the centre",
+        "the shape right in the middle",
     ],
     "greeting": [
         "Hello", "Hello!", "Hi", "Hi!", "Hey", "Hey!", "Hello there", "Good morning!", "Good evening",
