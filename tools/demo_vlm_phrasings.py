@@ -130,7 +130,8 @@ TEMPLATES = {
     "compound_2": ["{q1}, and {q2}?", "{q1}? {q2}?", "{q1}? Also, {q2}?", "{q1}? And {q2}?", "{q1}, and also {q2}?",
                    "{q1} and {q2}?", "{q1} and also {q2}?"],  # as people type: no comma before "and"
     "compound_3": ["{q1}, {q2}, and {q3}?", "{q1}? {q2}? {q3}?", "{q1}? Also, {q2}? And {q3}?",
-                   "{q1}, {q2} and {q3}?"],
+                   "{q1}, {q2} and {q3}?", "{q1}, {q2} and also {q3}?", "{q1}? {q2} and {q3}?",
+                   "{q1}, {q2}, {q3}?"],  # a bare "and" or none between the last two, as people type
 }  # fmt: skip
 HELD_OUT = {
     "colour": ["Identify the colour of {obj}.", "In what colour is {obj} drawn?", "What colour has {obj} got?"],
