@@ -115,6 +115,16 @@ def synonym(shapes: list[dict], base: list, rng: random.Random, tpl: dict) -> li
     return rng.sample(out, min(3, len(out)))
 
 
+def _joined(picked: list[tuple[str, str]], rng: random.Random, tpl: dict) -> tuple[str, str]:
+    """(question without "?", answer)s joined by one of the split's templates into one message and one reply."""
+    template = rng.choice(tpl[f"compound_{len(picked)}"])
+    parts = {}
+    for i, (question, _) in enumerate(picked):  # a question after another's "? " keeps its capital
+        key = f"q{i + 1}"
+        parts[key] = question if i == 0 or f"? {{{key}}}" in template else question[0].lower() + question[1:]
+    return template.format(**parts), "; ".join(a for _, a in picked)
+
+
 def compound(asked: list[tuple[str, str, str]], rng: random.Random, tpl: dict) -> list[tuple[str, str]]:
     """Two or three of the scene's questions (of different kinds, each one a question) in one message."""
     by_kind: dict[str, list] = {}
@@ -126,13 +136,23 @@ def compound(asked: list[tuple[str, str, str]], rng: random.Random, tpl: dict) -
     out = []
     for n in (2, 3) if len(by_kind) >= 3 else (2,):
         picked = [rng.choice(by_kind[kind]) for kind in rng.sample(sorted(by_kind), n)]
-        template = rng.choice(tpl[f"compound_{n}"])
-        parts = {}
-        for i, (question, _) in enumerate(picked):  # a question after another's "? " keeps its capital
-            key = f"q{i + 1}"
-            parts[key] = question if i == 0 or f"? {{{key}}}" in template else question[0].lower() + question[1:]
-        out.append((template.format(**parts), "; ".join(a for _, a in picked)))
+        out.append(_joined(picked, rng, tpl))
     return out
+
+
+def mixed_compound(asked: list[tuple[str, str, str]], rng: random.Random, tpl: dict) -> list[tuple[str, str]]:
+    """A compound (training only) that puts one or two yes/no parts beside a part answered with a number, a shape
+    or a name, in a random order: the reader's compound misses answered such a count with "yes", a shape with the
+    object's name, or flipped a relation's yes/no inside the list."""
+    yes_no, other = [], []
+    for kind, question, answer in asked:
+        if kind in COMPOUND_KINDS and question.endswith("?"):
+            (yes_no if answer in ("yes", "no") else other).append((question[:-1], answer))
+    if not yes_no or not other:
+        return []
+    picked = rng.sample(yes_no, min(len(yes_no), rng.choice((1, 2)))) + [rng.choice(other)]
+    rng.shuffle(picked)
+    return [_joined(picked, rng, tpl)]
 
 
 def no_shapes(rng: random.Random, tpl: dict) -> list[tuple[str, str]]:
@@ -165,4 +185,6 @@ def user_questions(scene: dict, base: list[tuple[str, str, str]], split: str) ->
     out += [("middle", q, a) for q, a in middle(objects, shapes, rng, tpl)]
     out += [("synonym", q, a) for q, a in synonym(shapes, base, rng, tpl)]
     out += [("compound", q, a) for q, a in compound(base + out, rng, tpl)]
+    if split == "train":  # drawn last: the eval split's questions, and every earlier draw, stay as they were
+        out += [("compound", q, a) for q, a in mixed_compound(base + out, rng, tpl)]
     return out

@@ -166,3 +166,16 @@ def test_eval_split_uses_only_held_out_phrasings():
 def test_user_questions_of_an_empty_scene_say_there_are_no_shapes():
     qas = user_questions(_scene([]), [], "eval")
     assert {k for k, _, _ in qas} == {"greeting", "no shapes"}
+
+
+def test_training_adds_a_compound_with_a_yes_no_beside_another_answer():
+    shapes = [_shape("circle", "red", "large", 0.2, 0.5), _shape("square", "blue", "large", 0.5, 0.2),
+              _shape("triangle", "green", "small", 0.8, 0.5)]  # fmt: skip
+    for seed in range(20):
+        scene = _scene(shapes, seed)
+        compounds = {split: [a.split("; ") for k, _, a in ds.questions(scene, random.Random(seed), split)
+                             if k == "compound"] for split in ("train", "eval")}  # fmt: skip
+        assert len(compounds["train"]) == len(compounds["eval"]) + 1  # the eval split's questions stay as they were
+        mixed = compounds["train"][-1]
+        assert 2 <= len(mixed) <= 3
+        assert 1 <= sum(p in ("yes", "no") for p in mixed) == len(mixed) - 1, mixed
