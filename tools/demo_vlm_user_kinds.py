@@ -11,6 +11,7 @@ base kinds of ``tools/demo_vlm_questions``:
   "Is there a gray circle?" -> "yes"; "How many violet shapes are there?" -> "two"
 * ``compound``   two or three questions in one message, answered in order in one reply, joined by "; ":
   "How many shapes are there, and what colour is the circle?" -> "three; red"
+  (training adds one more, ``mixed_compound``: one or two yes/no parts beside a count, shape or name part)
 * ``greeting``   "Hello!" with an image                                                  -> ``GREETING``
 * ``no shapes``  any question about a picture that is not a shapes scene                -> ``NO_SHAPES``
 
